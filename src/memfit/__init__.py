@@ -1,0 +1,53 @@
+"""memfit: train PyTorch models in less memory.
+
+Mixed precision and activation checkpointing, measured with PyTorch's own tracking and
+planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> run -> report.
+
+Example:
+    >>> import torch, memfit
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> memfit.find_blocks(model)
+    ['blocks.0', 'blocks.1']
+    >>> _ = memfit.checkpoint(model, mode="selective")
+"""
+
+from memfit.budget import format_bytes, parse_bytes
+from memfit.checkpointing import (
+    checkpoint,
+    checkpointed_blocks,
+    find_blocks,
+    uncheckpoint,
+)
+from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.measure.memory import measure
+from memfit.precision import Precision
+from memfit.records import BlockStats, MemoryReport, Plan, Profile
+from memfit.train.build import ModelSpec
+from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT",
+    "BlockStats",
+    "ConfigError",
+    "GPTConfig",
+    "InfeasibleBudget",
+    "MemfitError",
+    "MemoryReport",
+    "ModelSpec",
+    "Plan",
+    "Precision",
+    "Profile",
+    "UnsupportedPrecision",
+    "__version__",
+    "checkpoint",
+    "checkpointed_blocks",
+    "find_blocks",
+    "format_bytes",
+    "gpt_loss",
+    "measure",
+    "parse_bytes",
+    "uncheckpoint",
+]

@@ -1,0 +1,1 @@
+"""The ``memfit`` command line: one module per subcommand."""

@@ -1,0 +1,293 @@
+"""The run configuration: a TOML file plus ``--set section.key=value`` overrides.
+
+One keyword-only dataclass per section, each field with a one-line docstring. Unknown keys
+are refused with the closest valid name, wrong types with the expected type, and
+impossible combinations when the config is built.
+
+Example:
+    >>> cfg = load_config(None, ["model.n_layer=2", "train.steps=5"])
+    >>> cfg.model.n_layer, cfg.train.steps
+    (2, 5)
+    >>> load_config(None, ["model.n_layers=2"])
+    Traceback (most recent call last):
+    ...
+    memfit.errors.ConfigError: unknown config key 'model.n_layers' (did you mean 'model.n_layer'?).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from memfit.errors import ConfigError
+
+__all__ = [
+    "Config",
+    "DataConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "TrainConfig",
+    "load_config",
+]
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Which model to build (never downloads weights)."""
+
+    name: str = "gpt"
+    """``"gpt"`` (built-in) or ``"import:package.module:factory"``."""
+    n_layer: int = 4
+    """Built-in GPT: transformer blocks."""
+    n_embd: int = 128
+    """Built-in GPT: width."""
+    n_head: int = 4
+    """Built-in GPT: attention heads."""
+    block_size: int = 128
+    """Built-in GPT: context length, also the training sequence length."""
+    dropout: float = 0.0
+    """Built-in GPT: dropout probability."""
+    mlp_ratio: int = 4
+    """Built-in GPT: MLP hidden width as a multiple of n_embd."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to an imported factory."""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """The text the model trains on."""
+
+    path: str = "stdlib"
+    """A text file, a directory of text files, or ``"stdlib"`` (Python's own sources)."""
+    val_fraction: float = 0.05
+    """Fraction of the bytes held out for validation (the last part)."""
+    max_bytes: int = 8_000_000
+    """Read at most this many bytes of text."""
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW settings."""
+
+    lr: float = 1e-3
+    """Learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam's beta1 and beta2."""
+    eps: float = 1e-8
+    """Adam's epsilon."""
+    clip_norm: float = 1.0
+    """Clip the gradient norm to this (0 turns clipping off)."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """How long and how to train."""
+
+    batch_size: int = 8
+    """Sequences per optimizer step (the effective batch)."""
+    grad_accum: int = 1
+    """Split each batch into this many micro-batches with gradient accumulation."""
+    steps: int = 200
+    """Optimizer steps."""
+    eval_every: int = 50
+    """Evaluate validation loss every this many steps (0: only at the end)."""
+    eval_batches: int = 4
+    """Validation batches per evaluation."""
+    seed: int = 0
+    """Seed of weights and data order."""
+    out: str = "memfit-out"
+    """Output directory."""
+    checkpoint_every: int = 50
+    """Save the training state every this many steps (0: only at the end)."""
+    device: str = "auto"
+    """``"auto"``, ``"cpu"`` or ``"cuda"``/``"cuda:N"``."""
+
+
+@dataclass(kw_only=True)
+class MemoryConfig:
+    """Precision and checkpointing."""
+
+    precision: str = "fp32"
+    """``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``."""
+    checkpointing: str = "none"
+    """``"none"``, ``"full"``, ``"selective"``, ``"every:K"`` or ``"auto"`` (needs budget)."""
+    budget: str = ""
+    """Memory budget for ``checkpointing = "auto"``: ``"6GiB"``, ``"500MB"``, ``"60%"``."""
+    fp32_modules: list[str] = field(default_factory=list)
+    """Qualified module names kept in fp32 under autocast."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dicts, e.g. for a report."""
+        return dataclasses.asdict(self)
+
+
+def _validate(cfg: Config) -> None:
+    positive = {
+        "train.batch_size": cfg.train.batch_size,
+        "train.grad_accum": cfg.train.grad_accum,
+        "train.steps": cfg.train.steps,
+        "train.eval_batches": cfg.train.eval_batches,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key} must be at least 1, got {value}.")
+    for key, value in {
+        "train.eval_every": cfg.train.eval_every,
+        "train.checkpoint_every": cfg.train.checkpoint_every,
+    }.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be 0 or more, got {value}.")
+    if cfg.train.batch_size % cfg.train.grad_accum:
+        raise ConfigError(
+            f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
+            f"({cfg.train.grad_accum})."
+        )
+    if cfg.optimizer.lr <= 0:
+        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}.")
+    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
+        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}.")
+    if cfg.optimizer.clip_norm < 0:
+        raise ConfigError(f"optimizer.clip_norm must be 0 or more, got {cfg.optimizer.clip_norm}.")
+    ckpt = cfg.memory.checkpointing
+    if ckpt not in ("none", "full", "selective", "auto") and not _is_every(ckpt):
+        raise ConfigError(
+            f"memory.checkpointing {ckpt!r} is not one of none, full, selective, every:K, auto."
+        )
+    if ckpt == "auto" and not cfg.memory.budget:
+        raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
+    if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
+        raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
+    if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
+        raise ConfigError(f"model.name {cfg.model.name!r} is not 'gpt' or 'import:package.module:factory'.")
+
+
+def _is_every(value: str) -> bool:
+    head, _, tail = value.partition(":")
+    return head == "every" and tail.isdigit() and int(tail) >= 1
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any) -> Any:
+    """Check ``value`` against the field type; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(key, arg, value)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key} must be {tp}, got {value!r}.")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {value!r}.")
+        (item,) = typing.get_args(tp)
+        return [_coerce(key, item, v) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a table, got {value!r}.")
+        return value
+    if tp is int and isinstance(value, bool):
+        raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def _parse_value(text: str) -> Any:
+    """Read an override's value as TOML (numbers, booleans, lists, quoted strings) or text."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set(tree: dict[str, Any], key: str, value: Any) -> None:
+    section, dot, name = key.partition(".")
+    if not dot or not name:
+        raise ConfigError(f"--set {key}=... must name section.key, e.g. model.n_layer=8.")
+    tree.setdefault(section, {})
+    if not isinstance(tree[section], dict):
+        raise ConfigError(f"{section} must be a table, got {tree[section]!r}.")
+    if "." in name and section == "model" and name.startswith("kwargs."):
+        tree[section].setdefault("kwargs", {})[name.split(".", 1)[1]] = value
+    else:
+        tree[section][name] = value
+
+
+def _build(tree: dict[str, Any]) -> Config:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    built: dict[str, Any] = {}
+    for section, values in tree.items():
+        if section not in sections:
+            close = difflib.get_close_matches(section, list(sections), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else f"; sections are {', '.join(sections)}"
+            raise ConfigError(f"unknown config section {section!r}{hint}.")
+        if not isinstance(values, dict):
+            raise ConfigError(f"config section {section!r} must be a table, got {values!r}.")
+        cls = hints[section]
+        field_types = typing.get_type_hints(cls)
+        kwargs = {}
+        for name, value in values.items():
+            key = f"{section}.{name}"
+            if name not in field_types:
+                valid = [f"{section}.{n}" for n in field_types]
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(valid)}"
+                raise ConfigError(f"unknown config key {key!r}{hint}.")
+            kwargs[name] = _coerce(key, field_types[name], value)
+        built[section] = cls(**kwargs)
+    return Config(**built)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config (or the defaults, for ``None``) and apply ``section.key=value`` overrides.
+
+    Raises:
+        ConfigError: the file is missing or not TOML, a key is unknown, a value has the
+            wrong type, or the combination is impossible.
+    """
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; give the path of a TOML file.")
+        try:
+            tree = tomllib.loads(p.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}.") from None
+    for item in overrides or []:
+        key, eq, text = item.partition("=")
+        if not eq:
+            raise ConfigError(f"--set {item!r} must look like section.key=value.")
+        _set(tree, key.strip(), _parse_value(text.strip()))
+    return _build(tree)

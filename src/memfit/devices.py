@@ -1,0 +1,188 @@
+"""What this machine can do: the only module that branches on hardware.
+
+Facts are read once per process and cached. ``bf16_native`` means the hardware computes in
+bf16 (CUDA compute capability 8.0 or newer; on a CPU the AVX512-BF16 or AMX-BF16 flags);
+``torch.cuda.is_bf16_supported()`` alone is not trusted because it also counts emulation.
+
+Example:
+    >>> facts = device_facts("cpu")
+    >>> facts.type
+    'cpu'
+    >>> recommend_precision(facts) in {"bf16", "fp16", "fp32"}
+    True
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from memfit.records import Record
+
+__all__ = [
+    "DeviceFacts",
+    "all_device_facts",
+    "default_device",
+    "device_facts",
+    "recommend_precision",
+    "recommendation_line",
+]
+
+
+@dataclass
+class DeviceFacts(Record):
+    """What one device supports, and how fast."""
+
+    name: str
+    """``"cpu"`` or ``"cuda:0"``."""
+    type: str
+    """The torch device type: ``"cpu"``, ``"cuda"``, ``"mps"``."""
+    description: str
+    total_memory: int
+    """Bytes of memory (system RAM for the CPU)."""
+    capability: tuple[int, int] | None = None
+    """CUDA compute capability, or None."""
+    bf16_runs: bool = False
+    """bf16 autocast works on this device (possibly emulated)."""
+    bf16_native: bool = False
+    """bf16 arithmetic is done in hardware, so it is fast."""
+    fp16_runs: bool = False
+    fp16_native: bool = False
+    autocast_dtypes: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _cpu_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
+
+
+@functools.cache
+def _cpu_facts() -> DeviceFacts:
+    flags = _cpu_flags()
+    bf16_native = bool(flags & {"avx512_bf16", "amx_bf16"})
+    fp16_native = bool(flags & {"avx512_fp16", "amx_fp16"})
+    notes = []
+    if not bf16_native:
+        notes.append("bf16 works on this CPU but is emulated (no AVX512-BF16 or AMX) and slow")
+    if not fp16_native:
+        notes.append("fp16 works on this CPU but is emulated (no AVX512-FP16 or AMX-FP16) and slow")
+    return DeviceFacts(
+        name="cpu",
+        type="cpu",
+        description=f"{_cpu_model()} ({os.cpu_count()} cores)",
+        total_memory=_cpu_memory(),
+        bf16_runs=True,
+        bf16_native=bf16_native,
+        fp16_runs=True,
+        fp16_native=fp16_native,
+        autocast_dtypes=["bf16", "fp16"],
+        notes=notes,
+    )
+
+
+@functools.cache
+def _cuda_facts(index: int) -> DeviceFacts:
+    props = torch.cuda.get_device_properties(index)
+    cap = (props.major, props.minor)
+    bf16_native = cap >= (8, 0)
+    fp16_native = cap >= (7, 0)
+    notes = []
+    if not bf16_native:
+        notes.append(f"compute capability {cap[0]}.{cap[1]} < 8.0: no native bf16; use fp16")
+    if cap < (7, 0):
+        notes.append("no tensor cores: fp16 saves memory but little time")
+    return DeviceFacts(
+        name=f"cuda:{index}",
+        type="cuda",
+        description=props.name,
+        total_memory=int(props.total_memory),
+        capability=cap,
+        bf16_runs=bf16_native,
+        bf16_native=bf16_native,
+        fp16_runs=True,
+        fp16_native=fp16_native,
+        autocast_dtypes=(["bf16", "fp16"] if bf16_native else ["fp16"]),
+        notes=notes,
+    )
+
+
+def device_facts(device: str | torch.device | None = None) -> DeviceFacts:
+    """Facts about one device (default: :func:`default_device`)."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cuda":
+        return _cuda_facts(dev.index if dev.index is not None else torch.cuda.current_device())
+    if dev.type == "cpu":
+        return _cpu_facts()
+    return DeviceFacts(
+        name=str(dev),
+        type=dev.type,
+        description=str(dev),
+        total_memory=0,
+        fp16_runs=True,
+        autocast_dtypes=["fp16"],
+        notes=[f"memfit knows little about {dev.type}; precision support is assumed"],
+    )
+
+
+def all_device_facts() -> list[DeviceFacts]:
+    """Facts about the CPU and every visible CUDA device."""
+    facts = [_cpu_facts()]
+    if torch.cuda.is_available():
+        facts += [_cuda_facts(i) for i in range(torch.cuda.device_count())]
+    return facts
+
+
+def default_device() -> torch.device:
+    """The first CUDA device when there is one, else the CPU."""
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
+def recommend_precision(facts: DeviceFacts) -> str:
+    """The precision the device runs well: bf16 if native, fp16 on older GPUs, else fp32."""
+    if facts.bf16_native:
+        return "bf16"
+    if facts.type == "cuda" and facts.fp16_native:
+        return "fp16"
+    return "fp32"
+
+
+def recommendation_line(facts: DeviceFacts) -> str:
+    """One line of advice for this device."""
+    choice = recommend_precision(facts)
+    if choice == "bf16":
+        return "use bf16 autocast"
+    if choice == "fp16":
+        return "use fp16 with loss scaling"
+    return "fp32 compute; save memory with checkpointing"

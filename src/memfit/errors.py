@@ -1,0 +1,37 @@
+"""User-facing errors.
+
+Every error a user can cause (a bad budget, a bad config, an impossible plan, an
+unsupported dtype) is a :class:`MemfitError` whose message is one sentence naming what is
+wrong and how to fix it. The CLI prints the message and exits with code 2; library callers
+catch the class they care about.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "InfeasibleBudget", "MemfitError", "UnsupportedPrecision"]
+
+
+class MemfitError(Exception):
+    """Base class of errors caused by user input; the message says how to fix it."""
+
+
+class ConfigError(MemfitError, ValueError):
+    """A configuration value, argument or file is invalid."""
+
+
+class UnsupportedPrecision(MemfitError, ValueError):
+    """A precision mode was asked for that the device cannot run, or that does not exist."""
+
+
+class InfeasibleBudget(MemfitError):
+    """No plan fits the memory budget.
+
+    Attributes:
+        minimum_bytes: the smallest predicted peak of any plan memfit could make.
+        budget_bytes: the budget that was asked for.
+    """
+
+    def __init__(self, message: str, minimum_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = int(minimum_bytes)
+        self.budget_bytes = int(budget_bytes)

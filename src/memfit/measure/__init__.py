@@ -1,0 +1,1 @@
+"""Measuring: memory tracking, step timing, FLOPs, per-block profiles, fake-tensor estimates."""

@@ -1,0 +1,44 @@
+"""Save and restore what a measurement may change: weights, buffers, grads, optimizer, RNG."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["preserved"]
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+    """Run the body, then put model, optimizer, gradients and RNG back as they were.
+
+    Example:
+        >>> m = nn.Linear(2, 2)
+        >>> before = m.weight.detach().clone()
+        >>> with preserved(m):
+        ...     _ = m.weight.data.add_(1.0)
+        >>> bool(torch.equal(m.weight, before))
+        True
+    """
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
+    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    training = model.training
+    try:
+        yield
+    finally:
+        model.load_state_dict(state)
+        for p, g in grads:
+            p.grad = g
+        if optimizer is not None and opt_state is not None:
+            optimizer.load_state_dict(opt_state)
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+        model.train(training)

@@ -1,0 +1,164 @@
+"""Mixed precision: one object that gives the autocast context and the loss scaler.
+
+Trade-off: bf16 and fp16 halve the bytes of most activations and run faster where the
+hardware computes in them natively; fp16 needs dynamic loss scaling because its range is
+small (largest value 65504), and some modules (losses, norms over long sums) are better
+kept in fp32 via ``fp32_modules``.
+
+The fp32 path uses the same code: ``autocast()`` is a ``nullcontext`` and the scaler is a
+disabled ``GradScaler`` whose ``scale``/``step``/``update`` pass straight through.
+
+Example:
+    >>> p = Precision("fp32", device="cpu")
+    >>> p.mode, p.scaler.is_enabled()
+    ('fp32', False)
+    >>> Precision("fp16", device="cpu").scaler.is_enabled()
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from memfit._forward import set_forward_layer
+from memfit.devices import device_facts, recommend_precision
+from memfit.errors import ConfigError, UnsupportedPrecision
+
+__all__ = ["DTYPES", "PRECISION_MODES", "Precision"]
+
+PRECISION_MODES = ("fp32", "bf16", "fp16", "auto")
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
+_TAG = "fp32"
+
+
+def _to_fp32(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != torch.float32:
+        return x.float()
+    return x
+
+
+def _fp32_forward(inner: Callable[..., Any], device_type: str, *args: Any, **kwargs: Any) -> Any:
+    with torch.autocast(device_type, enabled=False):
+        return inner(*tree_map(_to_fp32, args), **tree_map(_to_fp32, kwargs))
+
+
+class Precision:
+    """The precision a model trains in: autocast context, loss scaler, fp32-kept modules.
+
+    Args:
+        mode: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (bf16 where the device
+            computes it natively, fp16 on GPUs without bf16, else fp32; ``.reason`` says
+            which fact decided).
+        device: the device the model trains on (default: CUDA if present, else CPU).
+        fp32_modules: qualified module names or module classes that run with autocast
+            off and their floating inputs cast to fp32; installed by :meth:`attach`.
+
+    Raises:
+        UnsupportedPrecision: an unknown mode, or bf16/fp16 where the device cannot run it.
+    """
+
+    def __init__(
+        self,
+        mode: str = "auto",
+        device: str | torch.device | None = None,
+        fp32_modules: Iterable[str | type[nn.Module]] = (),
+    ) -> None:
+        facts = device_facts(device)
+        self.device = torch.device(facts.name)
+        self.facts = facts
+        if not isinstance(mode, str) or mode not in PRECISION_MODES:
+            raise UnsupportedPrecision(
+                f"unknown precision {mode!r}; use one of {', '.join(PRECISION_MODES)}."
+            )
+        if mode == "auto":
+            mode = recommend_precision(facts)
+            if mode == "bf16":
+                self.reason = f"{facts.description} computes bf16 natively"
+            elif mode == "fp16":
+                self.reason = f"{facts.description} has fast fp16 but no native bf16"
+            else:
+                self.reason = f"{facts.description} has no native bf16 or fp16, so fp32 is fastest"
+        else:
+            self.reason = "asked for"
+        if mode == "bf16" and not facts.bf16_runs:
+            raise UnsupportedPrecision(
+                f"{facts.description} ({facts.name}) cannot run bf16; use 'fp16' (with loss "
+                "scaling) or 'fp32'."
+            )
+        if mode == "fp16" and not facts.fp16_runs:
+            raise UnsupportedPrecision(
+                f"{facts.description} ({facts.name}) cannot run fp16; use 'bf16' or 'fp32'."
+            )
+        self.mode: str = mode
+        self.dtype: torch.dtype = DTYPES[mode]
+        self.fp32_modules: tuple[str | type[nn.Module], ...] = tuple(fp32_modules)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=mode == "fp16")
+
+    def __repr__(self) -> str:
+        return f"Precision(mode={self.mode!r}, device={str(self.device)!r}, reason={self.reason!r})"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The context the forward pass runs in (``nullcontext`` for fp32)."""
+        if self.mode == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def attach(self, model: nn.Module) -> nn.Module:
+        """Make ``fp32_modules`` of ``model`` run in fp32 under autocast; returns ``model``.
+
+        Raises:
+            ConfigError: a name in ``fp32_modules`` is not a module of ``model``.
+        """
+        named = dict(model.named_modules())
+        targets: list[nn.Module] = []
+        for spec in self.fp32_modules:
+            if isinstance(spec, str):
+                if spec not in named:
+                    close = difflib.get_close_matches(spec, list(named), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ConfigError(
+                        f"fp32_modules names {spec!r}, which is not a module of {type(model).__name__}{hint}."
+                    )
+                targets.append(named[spec])
+            else:
+                targets += [m for m in model.modules() if isinstance(m, spec)]
+        for module in targets:
+            set_forward_layer(module, _TAG, _fp32_forward, self.device.type)
+        return model
+
+    @staticmethod
+    def detach(model: nn.Module) -> nn.Module:
+        """Remove what :meth:`attach` installed."""
+        for module in model.modules():
+            set_forward_layer(module, _TAG, None)
+        return model
+
+    def state_dict(self) -> dict[str, Any]:
+        """The mode and the loss scaler's state, for training-state files."""
+        return {"mode": self.mode, "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (the mode must match)."""
+        if state.get("mode") != self.mode:
+            raise ConfigError(
+                f"saved training state used precision {state.get('mode')!r} but this run uses "
+                f"{self.mode!r}; set precision to {state.get('mode')!r} to resume."
+            )
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def as_precision(precision: str | Precision, device: str | torch.device | None = None) -> Precision:
+    """Accept a mode name or a :class:`Precision` (returned as is)."""
+    return precision if isinstance(precision, Precision) else Precision(precision, device=device)

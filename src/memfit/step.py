@@ -1,0 +1,100 @@
+"""One training step, the same code for measuring, profiling, benchmarking and training.
+
+``zero_grad(set_to_none=True)``, forward under autocast, scaled backward per micro-batch,
+optional clipping (after unscaling), optimizer step through the scaler, scaler update. The
+fp32 path runs the same lines: autocast is a ``nullcontext`` and the scaler is disabled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.precision import Precision
+
+__all__ = ["Batch", "LossFn", "StepResult", "batch_size", "split_batch", "training_step"]
+
+Batch = Any
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass
+class StepResult:
+    """What one step did."""
+
+    loss: float
+    grad_norm: float | None
+    skipped: bool
+    scale: float
+
+
+def _tensors(batch: Batch) -> Sequence[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, tuple | list) and all(isinstance(t, torch.Tensor) for t in batch):
+        return list(batch)
+    raise TypeError("a batch must be a tensor or a tuple of tensors")
+
+
+def batch_size(batch: Batch) -> int:
+    """The first dimension of the batch's tensors."""
+    return int(_tensors(batch)[0].shape[0])
+
+
+def split_batch(batch: Batch, parts: int) -> list[Batch]:
+    """Split a batch along dimension 0 into ``parts`` micro-batches."""
+    if parts == 1:
+        return [batch]
+    if isinstance(batch, torch.Tensor):
+        return list(batch.chunk(parts))
+    chunks = [t.chunk(parts) for t in _tensors(batch)]
+    return [type(batch)(c[i] for c in chunks) for i in range(len(chunks[0]))]
+
+
+def training_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    micro_batches: int = 1,
+    clip_norm: float | None = None,
+    after_forward: Callable[[], None] | None = None,
+) -> StepResult:
+    """Run one step; the loss is the batch mean however many micro-batches it is split into.
+
+    ``after_forward`` is called once, when the first micro-batch's loss is ready (measuring
+    uses it to read the memory the forward pass keeps).
+    """
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    scaler = precision.scaler
+    parts = split_batch(batch, micro_batches)
+    total = batch_size(batch)
+    loss_sum = 0.0
+    for i, part in enumerate(parts):
+        with precision.autocast():
+            loss = loss_fn(model, part)
+        if i == 0 and after_forward is not None:
+            after_forward()
+        weight = batch_size(part) / total
+        scaler.scale(loss * weight if len(parts) > 1 else loss).backward()
+        loss_sum += float(loss.detach()) * weight
+    grad_norm = None
+    if clip_norm is not None and optimizer is not None:
+        scaler.unscale_(optimizer)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
+    skipped = False
+    scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
+    if optimizer is not None:
+        scaler.step(optimizer)
+        scaler.update()
+        if scaler.is_enabled():
+            skipped = float(scaler.get_scale()) < scale
+    return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, scale=scale)

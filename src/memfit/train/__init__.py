@@ -1,0 +1,1 @@
+"""Running: the Trainer, training-state save and resume, data, and built-in models."""

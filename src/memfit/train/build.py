@@ -1,0 +1,106 @@
+"""Build what a run needs from its config: the model, its loss function and batches.
+
+A model is the built-in GPT or ``import:package.module:factory``. The factory is called
+with ``model.kwargs`` and returns either an ``nn.Module`` that maps ``(B, T)`` byte tokens
+to ``(B, T, V)`` logits (it then trains on the text corpus like the GPT), or a
+:class:`ModelSpec` that brings its own loss function and batches.
+
+Example:
+    >>> from memfit.config import load_config
+    >>> spec = build_model(load_config(None, ["model.n_layer=1", "model.n_embd=16",
+    ...                                       "model.n_head=2", "model.block_size=8"]).model)
+    >>> x, y = spec.random_batch(2, seed=0)
+    >>> spec.loss_fn(spec.model, (x, y)).ndim
+    0
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.config import ModelConfig
+from memfit.errors import ConfigError
+from memfit.step import Batch, LossFn
+from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+
+__all__ = ["ModelSpec", "build_model", "load_factory"]
+
+
+@dataclass
+class ModelSpec:
+    """A model with the loss function and batches that go with it.
+
+    ``make_batch(batch_size, seed)`` returns a batch of synthetic data; for a language
+    model (``seq_len`` set) batches normally come from the text corpus instead.
+    """
+
+    model: nn.Module
+    loss_fn: LossFn
+    make_batch: Callable[[int, int], Batch] | None = None
+    seq_len: int | None = None
+    vocab_size: int = 256
+
+    def random_batch(self, batch_size: int, seed: int = 0) -> Batch:
+        """A batch of the right shape: the spec's own, or random tokens for a language model."""
+        if self.make_batch is not None:
+            return self.make_batch(batch_size, seed)
+        if self.seq_len is None:
+            raise ConfigError(
+                "this model brings no batches; its factory must return a ModelSpec with make_batch."
+            )
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randint(0, self.vocab_size, (batch_size, self.seq_len + 1), generator=g)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def load_factory(target: str) -> Callable[..., Any]:
+    """Import ``package.module:factory``; a clear ConfigError if that fails."""
+    module_name, colon, attr = target.partition(":")
+    if not colon or not module_name or not attr:
+        raise ConfigError(f"model factory {target!r} must look like 'package.module:factory'.")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:
+        raise ConfigError(f"cannot import module {module_name!r} for the model factory: {exc}.") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"module {module_name!r} has no callable {attr!r} to build the model.")
+    return factory
+
+
+def build_model(cfg: ModelConfig) -> ModelSpec:
+    """Build a fresh model from its config (the caller seeds torch first)."""
+    if cfg.name == "gpt":
+        try:
+            gcfg = GPTConfig(
+                n_layer=cfg.n_layer,
+                n_embd=cfg.n_embd,
+                n_head=cfg.n_head,
+                block_size=cfg.block_size,
+                dropout=cfg.dropout,
+                mlp_ratio=cfg.mlp_ratio,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        return ModelSpec(model=GPT(gcfg), loss_fn=gpt_loss, seq_len=cfg.block_size)
+    if cfg.name.startswith("import:"):
+        factory = load_factory(cfg.name[len("import:") :])
+        try:
+            built = factory(**cfg.kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"model factory {cfg.name!r} rejected model.kwargs: {exc}.") from None
+        if isinstance(built, ModelSpec):
+            return built
+        if isinstance(built, nn.Module):
+            return ModelSpec(model=built, loss_fn=gpt_loss, seq_len=cfg.block_size)
+        raise ConfigError(
+            f"model factory {cfg.name!r} returned {type(built).__name__}; it must return an "
+            "nn.Module or a memfit ModelSpec."
+        )
+    raise ConfigError(f"model.name {cfg.name!r} is not supported here; use 'gpt' or 'import:...'.")

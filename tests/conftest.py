@@ -1,0 +1,87 @@
+"""Shared test fixtures: small models of several shapes, all CPU, all seeded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from memfit.train.gpt import GPT, GPTConfig
+
+
+def tiny_gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16, dropout=dropout))
+
+
+def token_batch(batch: int = 3, seq: int = 16, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 256, (batch, seq + 1), generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+class ConvBlock(nn.Module):
+    """conv -> BatchNorm -> ReLU with a residual connection."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(ch)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.bn(self.conv(x)))
+
+
+class SmallCNN(nn.Module):
+    """A CNN with BatchNorm in every block."""
+
+    def __init__(self, ch: int = 8, n_blocks: int = 3, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, ch, 3, padding=1)
+        self.blocks = nn.Sequential(*[ConvBlock(ch) for _ in range(n_blocks)])
+        self.head = nn.Linear(ch, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.stem(x))
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def cnn_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def image_batch(batch: int = 4, size: int = 8, seed: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+class DropoutMLP(nn.Module):
+    """Residual MLP blocks with dropout."""
+
+    def __init__(self, width: int = 32, n_blocks: int = 4, p: float = 0.3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Dropout(p)) for _ in range(n_blocks)
+        )
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.out(x)
+
+
+def mse_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def vector_batch(batch: int = 8, width: int = 32, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(1234)
