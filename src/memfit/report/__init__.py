@@ -1,0 +1,1 @@
+"""Reporting: text and Markdown tables, Markdown reports, PNG plots (matplotlib lazily)."""

@@ -1,0 +1,41 @@
+"""Plain-text and Markdown tables: the one formatter every command's output goes through.
+
+Example:
+    >>> print(text_table(["a", "bb"], [[1, "x"], [22, "yy"]]))
+    a   bb
+    --  --
+    1   x
+    22  yy
+    >>> print(markdown_table(["a", "b"], [[1, 2]]))
+    | a | b |
+    |---|---|
+    | 1 | 2 |
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["markdown_table", "text_table"]
+
+
+def _cells(rows: Sequence[Sequence[Any]]) -> list[list[str]]:
+    return [[str(c) for c in row] for row in rows]
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """Columns aligned with two spaces, numbers and text left-aligned, a dashed rule."""
+    body = _cells(rows)
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body]
+    return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in _cells(rows)]
+    return "\n".join(lines)
