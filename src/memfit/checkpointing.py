@@ -100,9 +100,10 @@ def find_blocks(model: nn.Module) -> list[str]:
 
     The blocks are found where they are shallowest: the first ``nn.ModuleList`` or
     ``nn.Sequential`` (by depth) holding two or more consecutive children of one class with
-    parameters (transformer layers, ResNet blocks). Every outermost module of that class
-    (or classes, when several containers tie at that depth) anywhere in the model is a
-    block, so ResNet's blocks across all its stages are found.
+    parameters (transformer layers, ResNet blocks). A container whose own children repeat
+    is a stage, not a block, so the search goes on inside it. Every outermost module of the
+    block class (or classes, when several containers tie at that depth) anywhere in the
+    model is a block, so ResNet's blocks across all its stages are found.
 
     Args:
         model: any ``nn.Module``.
