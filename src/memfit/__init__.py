@@ -6,6 +6,7 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Callback, Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -19,18 +20,20 @@ from memfit.checkpointing import (
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, StateError, UnsupportedPrecision
 from memfit.measure.memory import measure
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, Plan, Profile
+from memfit.records import BlockStats, MemoryReport, Plan, Profile, StepMetrics
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Callback, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
     "BlockStats",
+    "Callback",
     "ConfigError",
     "GPTConfig",
     "InfeasibleBudget",
@@ -40,6 +43,9 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "StateError",
+    "StepMetrics",
+    "Trainer",
     "UnsupportedPrecision",
     "__version__",
     "checkpoint",
