@@ -160,3 +160,5 @@ class Plan(Record):
     baseline_peak_bytes: int = 0
     baseline_step_seconds: float = 0.0
     budget_bytes: int = 0
+    measured_peak_bytes: int = 0
+    """The plan's peak as measured when it was made (0: not measured)."""
