@@ -78,10 +78,14 @@ def tracked_step(
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
+        # NOTE: MemTracker refuses a second forward of the root module in one tracked region;
+        # with micro-batches, its per-module stats (not the peak) are cleared before each.
+        tracker.reset_mod_stats()
+        return loss_fn(m, part)
+
     with tracker:
-        training_step(
-            model, batch, loss_fn, optimizer, precision, micro_batches, after_forward=_after_forward
-        )
+        training_step(model, batch, _loss, optimizer, precision, micro_batches, after_forward=_after_forward)
     breakdown = _parts(tracker.get_tracker_snapshot("peak").get(device, {}))
     peak = sum(breakdown.values())
     if cuda:

@@ -1,21 +1,22 @@
 """Predict the peak memory and time of one training step from a Profile, without running it.
 
-The simulator walks the step as events (forward end, the head's backward, each block's
-backward in reverse order, the optimizer step) and adds up, at each event, what is held:
-parameters and optimizer state, the gradients accumulated so far, the activations still
-kept by the blocks not yet back-propagated, and the transient bytes of the work running
-then (a block's backward with its recompute). The peak is the largest event. Each event is
-linear in the per-block choices, so the solver constrains exactly the same expressions the
-simulator evaluates: one source of truth for "fits".
+The simulator walks the step as events (each block's forward, the head and loss, each
+block's backward in reverse order, the optimizer step) and adds up, at each event, what is
+held: parameters and optimizer state, the gradients accumulated so far, the activations
+still kept by the blocks not yet back-propagated, and the transient bytes of the work
+running then (a block's backward with its recompute). The peak is the largest event. The
+events are the ones :class:`memfit.Profile` documents its numbers for. Each is linear in the
+per-block choices, so the solver constrains exactly the expressions the simulator
+evaluates: one source of truth for "fits".
 
-Trade-off: it is a model of the step, not a replay; it treats blocks as additive (a block's
-kept bytes do not depend on its neighbours' modes) and everything outside the blocks (the
-embedding, the head, the loss, tensors held across blocks such as U-Net skips) as held for
-the whole backward, which over-predicts a little where the outside is large, never under.
+Trade-off: it is a model of the step, not a replay: it treats blocks as additive (a block's
+kept bytes do not depend on its neighbours' modes). That is exact for chains of blocks and
+close where tensors are held across blocks (U-Net skips); :func:`memfit.plan` measures the
+chosen plan once to catch the rest.
 
 Example:
     >>> from memfit.records import BlockStats, Profile
-    >>> blk = BlockStats("b0", param_bytes=10, saved_bytes={"none": 100, "full": 10},
+    >>> blk = BlockStats("b0", param_bytes=10, grad_bytes=10, saved_bytes={"none": 100, "full": 10},
     ...                  backward_peak_bytes={"none": 50, "full": 150})
     >>> prof = Profile(precision="fp32", device="cpu", batch_size=2, blocks=[blk],
     ...                outside=BlockStats("outside"), param_bytes=10, grad_bytes=10,
@@ -120,58 +121,82 @@ def micro_batch_scale(batch_size: int, micro_batches: int) -> float:
     return math.ceil(batch_size / micro_batches) / batch_size
 
 
-def _outside_grad_bytes(profile: Profile) -> int:
-    return max(0, profile.grad_bytes - sum(b.param_bytes for b in profile.blocks))
+def _scaled(value: int, s: float, unscaled: int = 0) -> int:
+    """``value`` at micro-batch scale ``s``, of which ``unscaled`` bytes do not shrink."""
+    keep = max(0, min(unscaled, value))
+    return round(s * (value - keep)) + keep
+
+
+def _block_grad_bytes(block: BlockStats) -> int:
+    return block.grad_bytes or block.param_bytes
 
 
 def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
     """The step's memory events for ``micro_batches`` micro-batches, as linear expressions.
 
+    The events are those of :class:`memfit.Profile`'s docstring: each block's forward and
+    backward, the forward and backward outside the blocks, the optimizer step. With
+    micro-batches, activations and transients scale with the (largest) part; gradients,
+    the batch itself (split into views, its storage stays whole) and parameter-gradient
+    temporaries do not.
+
     Args:
         profile: measured per-block costs at one precision.
-        micro_batches: the batch is split into this many parts with gradient accumulation;
-            activations and transients scale with the part, gradients do not.
+        micro_batches: the batch is split into this many parts with gradient accumulation.
 
     Returns:
-        Events in step order; the first micro-batch's (gradients still building up), then,
+        Events in step order: the first micro-batch's (gradients still building up), then,
         when there are more, a later micro-batch's (all gradients already held), then the
         optimizer step.
     """
     s = micro_batch_scale(profile.batch_size, micro_batches)
     out = profile.outside
-    base = profile.param_bytes + profile.optimizer_bytes + profile.input_bytes
-    kept_outside = round(s * max(out.saved_bytes.values(), default=0))
-    head_transient = round(s * max(out.backward_peak_bytes.values(), default=0))
+    fixed = profile.param_bytes + profile.optimizer_bytes
+    before = _scaled(profile.outside_before_bytes, s, profile.input_bytes)
+    early = profile.early_grad_bytes
+    # NOTE: the outside's numbers were measured with every block in one mode; they barely
+    # depend on it, and taking the largest keeps mixed plans on the safe side.
+    out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
+    out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
     n = len(profile.blocks)
-    saved = [{m: round(s * b.saved_bytes[m]) for m in block_options(b)} for b in profile.blocks]
-    transient = [
-        # NOTE: a block's backward transient includes its new parameter gradients, whose
-        # size does not shrink with the micro-batch; only the rest scales.
-        {
-            m: round(s * max(0, b.backward_peak_bytes[m] - b.param_bytes))
-            + min(b.param_bytes, b.backward_peak_bytes[m])
-            for m in block_options(b)
-        }
-        for b in profile.blocks
+    opts = [block_options(b) for b in profile.blocks]
+    saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in zip(profile.blocks, opts, strict=True)]
+    fwd = [
+        {m: round(s * b.forward_peak_bytes.get(m, b.saved_bytes[m])) for m in o}
+        for b, o in zip(profile.blocks, opts, strict=True)
+    ]
+    bwd = [
+        {m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b)) for m in o}
+        for b, o in zip(profile.blocks, opts, strict=True)
     ]
     result: list[Event] = []
-    phases = [("", 0)] if micro_batches == 1 else [("first micro-batch: ", 0), ("later micro-batch: ", 1)]
+    phases = (
+        [("", False)]
+        if micro_batches == 1
+        else [("first micro-batch: ", False), ("later micro-batch: ", True)]
+    )
     for prefix, later in phases:
-        grads_start = profile.grad_bytes if later else 0
-        every = {i: dict(saved[i]) for i in range(n)}
-        const = base + grads_start + kept_outside
-        result.append(Event(prefix + "forward end", const, every))
-        result.append(Event(prefix + "backward of the head and loss", const + head_transient, every))
-        grads = profile.grad_bytes if later else _outside_grad_bytes(profile)
+        held = profile.grad_bytes if later else 0
+        for i, block in enumerate(profile.blocks):
+            coef = {j: dict(saved[j]) for j in range(i)}
+            coef[i] = dict(fwd[i])
+            result.append(Event(f"{prefix}forward of {block.name}", fixed + held + before, coef))
+        every = {j: dict(saved[j]) for j in range(n)}
+        result.append(
+            Event(f"{prefix}forward outside the blocks (head, loss)", fixed + held + out_fwd, every)
+        )
+        result.append(
+            Event(f"{prefix}backward outside the blocks (loss, head)", fixed + held + out_bwd, every)
+        )
+        grads = profile.grad_bytes if later else early
         for i in reversed(range(n)):
             coef = {j: dict(saved[j]) for j in range(i)}
-            coef[i] = {m: saved[i][m] + transient[i][m] for m in saved[i]}
-            result.append(
-                Event(f"{prefix}backward of {profile.blocks[i].name}", base + grads + kept_outside, coef)
-            )
+            coef[i] = {m: saved[i][m] + bwd[i][m] for m in saved[i]}
+            block = profile.blocks[i]
+            result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + before, coef))
             if not later:
-                grads += profile.blocks[i].param_bytes
-    result.append(Event("optimizer step", base + profile.grad_bytes + profile.optimizer_temp_bytes))
+                grads += _block_grad_bytes(block)
+    result.append(Event("optimizer step", fixed + profile.grad_bytes + profile.optimizer_temp_bytes))
     return result
 
 
