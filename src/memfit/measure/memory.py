@@ -78,6 +78,7 @@ def tracked_step(
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+
     def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
         # NOTE: MemTracker refuses a second forward of the root module in one tracked region;
         # with micro-batches, its per-module stats (not the peak) are cleared before each.
