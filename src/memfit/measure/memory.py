@@ -79,6 +79,12 @@ class MemoryWatch:
         """The breakdown of what is held now (call inside the context)."""
         return _parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
 
+    def new_forward(self) -> None:
+        """Call before each forward of the root module inside one tracked region."""
+        # NOTE: MemTracker refuses a second forward of the root module in one tracked region;
+        # with micro-batches, its per-module stats (not the peak) are cleared before each.
+        self._tracker.reset_mod_stats()
+
     def __enter__(self) -> MemoryWatch:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -113,10 +119,15 @@ def tracked_step(
     """
     after: list[dict[str, int]] = []
     with MemoryWatch(model, optimizer) as watch:
+
+        def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
+            watch.new_forward()
+            return loss_fn(m, part)
+
         training_step(
             model,
             batch,
-            loss_fn,
+            _loss,
             optimizer,
             precision,
             micro_batches,

@@ -1,0 +1,1 @@
+"""Deciding: the step-memory simulator, the exact solver, and ``plan`` / ``apply``."""
