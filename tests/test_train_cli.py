@@ -217,3 +217,8 @@ def test_resume_refuses_a_different_run(capsys, tmp_path, text_file) -> None:  #
     assert "optimizer.lr" in line and "0.001" in line
     line = _error(capsys, [*argv, "--resume", "--set", "model.n_embd=32", "--set", "model.n_head=2"])
     assert "model" in line
+
+
+def test_example_config_loads() -> None:
+    cfg = load_config(TESTS.parent / "examples" / "gpt.toml")
+    assert cfg.memory.checkpointing == "full" and cfg.optimizer.schedule == "cosine"

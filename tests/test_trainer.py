@@ -194,3 +194,22 @@ def test_save_and_load_continue_bit_for_bit(tmp_path) -> None:
     losses = [m.loss for m in resumed.fit(batches[4:], steps=4)]
     assert losses == expected[4:]
     assert [m.step for m in resumed.history] == [5, 6, 7, 8]
+
+
+def test_micro_batches_are_tracked_and_lower_the_peak() -> None:
+    """MemTracker sees every micro-batch of a step; splitting the batch lowers the peak."""
+    batch = token_batch(batch=8)
+    peaks = {}
+    for parts in (1, 4):
+        model = tiny_gpt()
+        reference = copy.deepcopy(model)
+        trainer = _trainer(model, micro_batches=parts)
+        trainer.fit([batch] * 2, steps=2)
+        assert trainer.memory is not None
+        peaks[parts] = trainer.memory.peak_bytes
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+        assert (
+            measure(reference, batch, gpt_loss, ref_opt, steps=1, micro_batches=parts).peak_bytes
+            == peaks[parts]
+        )
+    assert peaks[4] < peaks[1]
