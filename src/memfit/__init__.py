@@ -21,6 +21,7 @@ from memfit.checkpointing import (
 )
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
 from memfit.measure.memory import measure
+from memfit.measure.profile import profile
 from memfit.precision import Precision
 from memfit.records import BlockStats, MemoryReport, Plan, Profile
 from memfit.train.build import ModelSpec
@@ -49,5 +50,6 @@ __all__ = [
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "profile",
     "uncheckpoint",
 ]
