@@ -18,6 +18,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -25,7 +28,7 @@ from memfit.errors import ConfigError, MemfitError
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, StepResult, training_step
 
-__all__ = ["checked_step", "describe_batch", "tensor_bytes"]
+__all__ = ["batch_errors", "checked_step", "describe_batch", "tensor_bytes"]
 
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:
@@ -61,13 +64,20 @@ def checked_step(
     Raises:
         ConfigError: the batch is not a tensor or tuple of tensors, or the step fails on it.
     """
+    with batch_errors(model, batch):
+        return training_step(model, batch, loss_fn, optimizer, precision)
+
+
+@contextlib.contextmanager
+def batch_errors(model: nn.Module, batch: Batch) -> Iterator[None]:
+    """Turn a failure of the body (running the model on ``batch``) into a :class:`ConfigError`."""
     if not _tensors(batch) or (not isinstance(batch, torch.Tensor) and len(_tensors(batch)) != len(batch)):
         raise ConfigError(
             f"the batch must be a tensor or a tuple of tensors, got {type(batch).__name__}; "
             "pass e.g. (inputs, targets)."
         )
     try:
-        return training_step(model, batch, loss_fn, optimizer, precision)
+        yield
     except MemfitError:
         raise
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
