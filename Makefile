@@ -4,8 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
+# The optional extras (transformers, torchvision, timm) live in a second environment: torchvision
+# from PyPI needs torch 2.14.1, while the core suite keeps torch 2.13.0 and runs without them.
+EXTRAS_VENV ?= .venv-extras
+EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
+EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit extras bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -13,10 +18,16 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e . || $(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+$(EXTRAS_STAMP): requirements-extras.txt pyproject.toml
+	$(PYTHON) -m venv $(EXTRAS_VENV)
+	$(EXTRAS_VENV)/bin/python -m pip install --quiet -r requirements-extras.txt
+	$(EXTRAS_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . || $(EXTRAS_VENV)/bin/python -m pip install --quiet --no-deps -e .
+	touch $(EXTRAS_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/memfit demo $(ARGS)
 
-test: lint typecheck unit
+test: lint typecheck unit extras
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -28,8 +39,12 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
+# The tests that need the extras; in .venv (without them) they are skipped with a reason.
+extras: $(EXTRAS_STAMP)
+	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(EXTRAS_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_foundation.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(EXTRAS_VENV) .pytest_cache .mypy_cache .ruff_cache

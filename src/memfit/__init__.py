@@ -6,7 +6,6 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.trainer import Callback, Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -21,9 +20,12 @@ from memfit.checkpointing import (
     uncheckpoint,
 )
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, StateError, UnsupportedPrecision
+from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
+from memfit.measure.profile import profile
+from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, Plan, Profile, StepMetrics
+from memfit.records import BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile, StepMetrics
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 from memfit.train.trainer import Callback, Trainer
@@ -35,6 +37,8 @@ __all__ = [
     "BlockStats",
     "Callback",
     "ConfigError",
+    "Estimate",
+    "EstimateEntry",
     "GPTConfig",
     "InfeasibleBudget",
     "MemfitError",
@@ -48,12 +52,16 @@ __all__ = [
     "Trainer",
     "UnsupportedPrecision",
     "__version__",
+    "apply",
     "checkpoint",
     "checkpointed_blocks",
+    "estimate",
     "find_blocks",
     "format_bytes",
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "plan",
+    "profile",
     "uncheckpoint",
 ]

@@ -48,6 +48,7 @@ __all__ = [
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",
+    "refuse_double_checkpointing",
     "set_block_modes",
     "uncheckpoint",
 ]
@@ -232,12 +233,31 @@ def _checkpointed_forward(
     )
 
 
+def refuse_double_checkpointing(model: nn.Module) -> None:
+    """Raise if Hugging Face's own checkpointing is on: memfit does not checkpoint twice.
+
+    Raises:
+        ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``.
+    """
+    from memfit.integrations.hf import hf_checkpointing_active
+
+    if hf_checkpointing_active(model):
+        raise ConfigError(
+            "Hugging Face gradient checkpointing is on for this model (gradient_checkpointing_enable()), "
+            "so memfit will not checkpoint its blocks a second time: call "
+            "model.gradient_checkpointing_disable() to let memfit choose per block, or keep "
+            "Hugging Face's and do not call memfit.checkpoint / memfit.apply."
+        )
+
+
 def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:
     """Set each named block's checkpointing mode (``none``, ``selective`` or ``full``)."""
     names = _resolve(model, list(modes))
     bad = {n: m for n, m in modes.items() if m not in CHECKPOINT_MODES}
     if bad:
         raise ConfigError(f"unknown checkpointing mode(s) {bad}; use one of {', '.join(CHECKPOINT_MODES)}.")
+    if any(m != "none" for m in modes.values()):
+        refuse_double_checkpointing(model)
     for name in names:
         module = model.get_submodule(name)
         mode = modes[name]

@@ -45,7 +45,7 @@ class ModelConfig:
     """Which model to build (never downloads weights)."""
 
     name: str = "gpt"
-    """``"gpt"`` (built-in) or ``"import:package.module:factory"``."""
+    """``"gpt"`` (built-in), ``"hf:gpt2"``-style (Hugging Face, from config) or ``"import:mod:factory"``."""
     n_layer: int = 4
     """Built-in GPT: transformer blocks."""
     n_embd: int = 128
@@ -116,6 +116,8 @@ class TrainConfig:
     """Save the training state every this many steps (0: only at the end)."""
     device: str = "auto"
     """``"auto"``, ``"cpu"`` or ``"cuda"``/``"cuda:N"``."""
+    distributed: str = "none"
+    """Under torchrun: ``"ddp"`` or ``"fsdp2"`` (``"none"``: one process)."""
 
 
 @dataclass(kw_only=True)
@@ -195,7 +197,12 @@ def _validate(cfg: Config) -> None:
     if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
         raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
-        raise ConfigError(f"model.name {cfg.model.name!r} is not 'gpt' or 'import:package.module:factory'.")
+        raise ConfigError(
+            f"model.name {cfg.model.name!r} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "
+            "'import:package.module:factory'."
+        )
+    if cfg.train.distributed not in ("none", "ddp", "fsdp2"):
+        raise ConfigError(f"train.distributed {cfg.train.distributed!r} is not one of none, ddp, fsdp2.")
 
 
 def _is_every(value: str) -> bool:

@@ -46,6 +46,30 @@ def _parts(snapshot: dict[Any, int]) -> dict[str, int]:
     }
 
 
+def _fsdp_parts(snapshot: dict[Any, int]) -> dict[str, int]:
+    """Map FSDPMemTracker's categories (sharded, unsharded, collectives) onto the breakdown."""
+    by = {getattr(k, "name", str(k)): v for k, v in snapshot.items()}
+    get = by.get
+    return {
+        "params": get("SHARDED_PARAM", 0)
+        + get("UNSHARDED_PARAM", 0)
+        + get("BUFFER", 0)
+        + get("ALL_GATHER", 0),
+        "grads": get("SHARDED_GRAD", 0) + get("UNSHARDED_GRAD", 0) + get("REDUCE_SCATTER", 0),
+        "optimizer": get("OPT", 0),
+        "activations": get("ACT", 0) + get("INP", 0),
+        "temporaries": get("TEMP", 0) + get("OTH", 0),
+    }
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def _device_of(model: nn.Module) -> torch.device:
     for t in model.parameters():
         return t.device
@@ -73,19 +97,22 @@ class MemoryWatch:
         self.device = _device_of(model)
         self.peak_bytes = 0
         self.breakdown: dict[str, int] = {}
-        self._tracker = MemTracker()
-        modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
-        self._tracker.track_external(*modules)
+        self._parts = _parts
+        if _is_fsdp(model):
+            # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
+            # shards plus the unsharded parameters and gradients of the block computing.
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self._tracker: MemTracker = FSDPMemTracker(model, optimizer)
+            self._parts = _fsdp_parts
+        else:
+            self._tracker = MemTracker()
+            modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
+            self._tracker.track_external(*modules)
 
     def current(self) -> dict[str, int]:
         """The breakdown of what is held now (call inside the context)."""
-        return _parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
-
-    def new_forward(self) -> None:
-        """Call before each forward of the root module inside one tracked region."""
-        # NOTE: MemTracker refuses a second forward of the root module in one tracked region;
-        # with micro-batches, its per-module stats (not the peak) are cleared before each.
-        self._tracker.reset_mod_stats()
+        return self._parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
 
     def __enter__(self) -> MemoryWatch:
         if self.device.type == "cuda":
@@ -110,7 +137,7 @@ class MemoryWatch:
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        self.breakdown = _parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
+        self.breakdown = self._parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
         self.peak_bytes = sum(self.breakdown.values())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -135,15 +162,10 @@ def tracked_step(
     """
     after: list[dict[str, int]] = []
     with MemoryWatch(model, optimizer) as watch:
-
-        def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
-            watch.new_forward()
-            return loss_fn(m, part)
-
         training_step(
             model,
             batch,
-            _loss,
+            loss_fn,
             optimizer,
             precision,
             micro_batches,

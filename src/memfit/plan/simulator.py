@@ -162,11 +162,11 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
     opts = [block_options(b) for b in profile.blocks]
     saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in zip(profile.blocks, opts, strict=True)]
     fwd = [
-        {m: round(s * b.forward_peak_bytes.get(m, b.saved_bytes[m])) for m in o}
+        {m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes) for m in o}
         for b, o in zip(profile.blocks, opts, strict=True)
     ]
     bwd = [
-        {m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b)) for m in o}
+        {m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b) + b.backward_fixed_bytes) for m in o}
         for b, o in zip(profile.blocks, opts, strict=True)
     ]
     result: list[Event] = []

@@ -1,6 +1,8 @@
 """Build what a run needs from its config: the model, its loss function and batches.
 
-A model is the built-in GPT or ``import:package.module:factory``. The factory is called
+A model is the built-in GPT, a Hugging Face architecture built from its config
+(``hf:gpt2``, ``hf:llama``, ``hf:PATH``; see :mod:`memfit.integrations.hf`) or
+``import:package.module:factory``. The factory is called
 with ``model.kwargs`` and returns either an ``nn.Module`` that maps ``(B, T)`` byte tokens
 to ``(B, T, V)`` logits (it then trains on the text corpus like the GPT), or a
 :class:`ModelSpec` that brings its own loss function and batches.
@@ -103,4 +105,17 @@ def build_model(cfg: ModelConfig) -> ModelSpec:
             f"model factory {cfg.name!r} returned {type(built).__name__}; it must return an "
             "nn.Module or a memfit ModelSpec."
         )
-    raise ConfigError(f"model.name {cfg.name!r} is not supported here; use 'gpt' or 'import:...'.")
+    if cfg.name.startswith("hf:"):
+        from memfit.integrations.hf import build_hf_causal_lm, hf_causal_loss
+
+        model = build_hf_causal_lm(
+            cfg.name[len("hf:") :],
+            n_layer=cfg.n_layer,
+            n_embd=cfg.n_embd,
+            n_head=cfg.n_head,
+            block_size=cfg.block_size,
+            mlp_ratio=cfg.mlp_ratio,
+            **cfg.kwargs,
+        )
+        return ModelSpec(model=model, loss_fn=hf_causal_loss, seq_len=cfg.block_size)
+    raise ConfigError(f"model.name {cfg.name!r} is not supported here; use 'gpt', 'hf:NAME' or 'import:...'.")

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.checkpointing import checkpoint
+from memfit.checkpointing import checkpoint, find_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
@@ -43,6 +43,7 @@ from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
+from memfit.train.distributed import init_distributed, wrap_model
 from memfit.train.state import previous_path
 from memfit.train.trainer import Callback, Trainer
 
@@ -57,6 +58,7 @@ _MUST_MATCH = (
     "train.batch_size",
     "train.grad_accum",
     "train.seed",
+    "train.distributed",
 )
 
 
@@ -218,6 +220,9 @@ def train_from_config(
     budget = parse_bytes(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
+    dist_ctx, device = init_distributed(cfg.train.distributed, device)
+    if not dist_ctx.is_main:
+        echo, progress = (lambda _line: None), False
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
     state_path = resolve_resume(resume, out) if resume else None
     torch.manual_seed(cfg.train.seed)
@@ -227,6 +232,11 @@ def train_from_config(
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
     ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
+    n_params = sum(p.numel() for p in model.parameters())
+    blocks = find_blocks(model)
+    # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
+    # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
+    model = wrap_model(model, dist_ctx, blocks)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optimizer.lr,
@@ -243,6 +253,7 @@ def train_from_config(
         clip_norm=cfg.optimizer.clip_norm or None,
         scheduler=_schedule(opt, cfg),
         progress=progress,
+        dist=dist_ctx,
     )
     resumed_from = None
     if state_path is not None:
@@ -251,17 +262,27 @@ def train_from_config(
         resumed_from = trainer.step_count
     files = {"metrics": out / "metrics.jsonl", "state": out / "state.pt", "report": out / "report.md"}
     watch = _BudgetWatch(budget, echo) if budget else None
-    trainer.callbacks += [
-        MetricsLog(files["metrics"], keep_until=resumed_from),
-        SaveState(files["state"], cfg.train.checkpoint_every, sampler, {"config": cfg.to_dict()}),
-        *([watch] if watch else []),
-        *([_Echo(echo, cfg.train.steps)] if not trainer.progress_enabled() and progress is not False else []),
-    ]
-    n_params = sum(p.numel() for p in model.parameters())
+    save = SaveState(files["state"], cfg.train.checkpoint_every, sampler, {"config": cfg.to_dict()})
+    if not dist_ctx.is_main:
+        # NOTE: other ranks only take part in saving (FSDP2 shards); rank 0 writes the rest.
+        trainer.callbacks.append(save)
+    else:
+        trainer.callbacks += [
+            MetricsLog(files["metrics"], keep_until=resumed_from),
+            save,
+            *([watch] if watch else []),
+            *(
+                [_Echo(echo, cfg.train.steps)]
+                if not trainer.progress_enabled() and progress is not False
+                else []
+            ),
+        ]
     remaining = max(0, cfg.train.steps - trainer.step_count)
     echo(
         f"memfit train: {type(model).__name__} ({n_params / 1e6:.2f}M parameters) on {data_text}, "
-        f"{precision.mode}, checkpointing {ckpt_text}, {device}; "
+        f"{precision.mode}, checkpointing {ckpt_text}, {device}"
+        + (f" x {dist_ctx.world_size} ({dist_ctx.mode})" if dist_ctx.active else "")
+        + "; "
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
         + f"{remaining} steps to {cfg.train.steps}"
     )
@@ -271,6 +292,10 @@ def train_from_config(
         eval_fn=lambda _m: trainer.evaluate(val_batches),
         eval_every=cfg.train.eval_every or None,
     )
+    if not dist_ctx.is_main:
+        return TrainRun(
+            out=out, trainer=trainer, history=trainer.history, resumed_from=resumed_from, files={}
+        )
     history = read_metrics(files["metrics"])
     settings = {
         "model": f"{cfg.model.name} ({n_params:,} parameters)",
@@ -282,7 +307,8 @@ def train_from_config(
             f"AdamW lr {cfg.optimizer.lr:g}, {cfg.optimizer.schedule} schedule, "
             f"{cfg.optimizer.warmup_steps} warm-up steps"
         ),
-        "device": str(device),
+        "device": str(device)
+        + (f", {dist_ctx.world_size} processes ({dist_ctx.mode})" if dist_ctx.active else ""),
         "seed": str(cfg.train.seed),
     }
     notes = [f"resumed from {state_path} at step {resumed_from}"] if resumed_from is not None else []

@@ -35,12 +35,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpointing import checkpointed_blocks
+from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError
 from memfit.measure.memory import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn, StepResult, training_step
+from memfit.train.distributed import DistContext, global_mean, local_batch, unwrap
+from memfit.train.sharded_state import load_sharded, save_sharded, sharded
 from memfit.train.state import capture_rng, load_state, restore_rng, save_state
 
 __all__ = ["Callback", "Trainer"]
@@ -105,6 +107,10 @@ class Trainer:
             steady-state step; a GPU reports its allocator peak on every step anyway).
         track_memory: False turns MemTracker off entirely (a GPU still reports its
             allocator peak on every step).
+        dist: under ``torchrun``, this process's place in the run
+            (:func:`memfit.train.distributed.init_distributed`); ``model`` is then the DDP or
+            FSDP2-wrapped model, each step takes this rank's slice of the global batch and
+            reports the loss averaged over all ranks.
 
     Raises:
         ConfigError: the arguments contradict the plan, or ``micro_batches < 1``.
@@ -125,8 +131,12 @@ class Trainer:
         progress: bool | None = None,
         memory_every: int = 0,
         track_memory: bool = True,
+        dist: DistContext | None = None,
     ) -> None:
+        self.dist = dist or DistContext()
         self.model = model
+        if checkpointed_blocks(unwrap(model)):
+            refuse_double_checkpointing(unwrap(model))
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = _model_device(model)
@@ -186,6 +196,15 @@ class Trainer:
             return result, int(torch.cuda.max_memory_allocated(self.device))
         return training_step(*args, clip_norm=self.clip_norm), None
 
+    def _run_global(self, batch: Batch) -> tuple[StepResult, int | None]:
+        """One step on this rank's slice; loss, samples and tokens are for the global batch."""
+        result, peak = self._run(local_batch(batch, self.dist))
+        if self.dist.active:
+            result.loss = global_mean(result.loss, self.dist)
+            result.samples *= self.dist.world_size
+            result.tokens *= self.dist.world_size
+        return result, peak
+
     def step(self, batch: Batch, eval_fn: Callable[[nn.Module], float] | None = None) -> StepMetrics:
         """Run one optimizer step on ``batch`` and return what it did.
 
@@ -195,12 +214,12 @@ class Trainer:
                 mode, without gradients, under autocast); its value is ``val_loss``.
         """
         self.model.train()
-        batch = _to_device(batch, self.device)
+        batch = _to_device(batch, self.device)  # NOTE: the global batch; _run_global slices it
         lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        result, peak = self._run(batch)
+        result, peak = self._run_global(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -341,7 +360,7 @@ class Trainer:
             "format": _FORMAT,
             "version": 1,
             "step": self.step_count,
-            "model": self.model.state_dict(),
+            "model": unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "precision": self.precision.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
@@ -355,11 +374,13 @@ class Trainer:
         if state.get("format") != _FORMAT:
             raise ConfigError("this file is not a memfit Trainer state; save one with Trainer.save().")
         try:
-            self.model.load_state_dict(state["model"])
+            if "model" in state:
+                unwrap(self.model).load_state_dict(state["model"])
         except RuntimeError as exc:
             first = str(exc).strip().splitlines()[0]
             raise ConfigError(f"the saved model does not match this model ({first}).") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
@@ -373,12 +394,24 @@ class Trainer:
         self, path: str | os.PathLike[str], data: Any | None = None, extra: dict[str, Any] | None = None
     ) -> None:
         """Write the training state atomically to ``path`` (the older file is kept as
-        ``*.prev.pt``); ``data`` is the batch sampler whose position to save."""
-        save_state(self.state_dict(data, extra), path)
+        ``*.prev.pt``); ``data`` is the batch sampler whose position to save.
+
+        Under DDP only rank 0 writes (every rank holds the same state); under FSDP2 every
+        rank writes its shard of the model and optimizer with ``torch.distributed.checkpoint``
+        next to ``path`` and rank 0 writes the rest to ``path``."""
+        if sharded(self.model):
+            state = self.state_dict(data, extra)
+            del state["model"], state["optimizer"]
+            save_sharded(self.model, self.optimizer, path, state, self.dist.is_main)
+        elif self.dist.is_main:
+            save_state(self.state_dict(data, extra), path)
 
     def load(self, path: str | os.PathLike[str], data: Any | None = None) -> dict[str, Any]:
         """Restore the state saved by :meth:`save` (checksum verified, ``weights_only``)."""
-        return self.load_state_dict(load_state(path), data)
+        state = load_state(path)
+        if state.get("sharded"):
+            load_sharded(self.model, self.optimizer, path)
+        return self.load_state_dict(state, data)
 
 
 def _postfix(m: StepMetrics, scaled: bool) -> str:
