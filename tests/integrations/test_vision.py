@@ -62,10 +62,13 @@ def test_checkpointed_gradients_and_batchnorm_stats_equal_plain(factory) -> None
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_resnet18_plan_at_60_percent_holds_when_measured() -> None:
+    # NOTE: parameters + gradients of ResNet-18 are 85 MiB; 60% of the peak leaves room for
+    # activations only when they are a large part of it: 208x208 images, plain SGD.
     model = _resnet18()
-    batch = _images(8, 32)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batch = _images(8, 208)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = memfit.plan(model, batch, _ce, "60%", opt, precision="fp32")
     memfit.apply(model, plan)
     assert memfit.checkpointed_blocks(model), "a 60% budget must checkpoint something"

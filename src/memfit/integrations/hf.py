@@ -13,12 +13,14 @@ which lets a plan choose a mode per layer; Hugging Face's own
 one model (every layer would be recomputed twice), so memfit refuses to add its own on top
 of an active Hugging Face one and says which one is on (:func:`checkpointing_owner`).
 
-Example:
-    >>> import torch
-    >>> model = build_hf_causal_lm("gpt2", n_layer=1, n_embd=16, n_head=2, block_size=8)
-    >>> x = torch.randint(0, 256, (2, 8))
-    >>> hf_causal_loss(model, (x, x)).ndim
-    0
+Example (with ``transformers`` installed; the tests run it in ``.venv-extras``):
+    ``model = build_hf_causal_lm("llama", n_layer=2, n_embd=64, n_head=4, block_size=128)``,
+    then ``memfit.find_blocks(model)`` is ``['model.layers.0', 'model.layers.1']`` and
+    ``hf_causal_loss(model, (x, y))`` its training loss. Without it:
+
+    >>> from torch import nn
+    >>> checkpointing_owner(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
+    'none'
 """
 
 from __future__ import annotations
