@@ -9,12 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from memfit.plan.simulator import block_options, block_seconds, simulate
+from memfit.plan.simulator import block_options, block_seconds, events, simulate
 from memfit.plan.solver import minimum_peak, solve
 from memfit.records import BlockStats, Profile
 
-# Same optimum: the solver's objective value equals exhaustive search's to this tolerance.
-OBJECTIVE_RTOL = 1e-9
+# Same optimum: the solver's objective value equals exhaustive search's to this tolerance
+# (HiGHS proves optimality to its tolerances, ~1e-7 of the normalised objective).
+OBJECTIVE_RTOL = 1e-6
 
 
 @st.composite
@@ -74,9 +75,10 @@ def _exhaustive(profile: Profile, budget: int, micro_batches: int) -> float | No
     """Least block time over every combination of modes whose simulated peak fits."""
     options = [block_options(b) for b in profile.blocks]
     secs = [block_seconds(b) for b in profile.blocks]
+    evs = events(profile, micro_batches)  # the simulator's own expressions, built once
     best = None
     for combo in itertools.product(*options):
-        if simulate(profile, list(combo), micro_batches).peak_bytes <= budget:
+        if max(e.value(combo) for e in evs) <= budget:
             t = sum(s[m] for s, m in zip(secs, combo, strict=True))
             best = t if best is None else min(best, t)
     return best
@@ -96,7 +98,7 @@ def test_solver_matches_exhaustive_search(profile: Profile, frac: float, micro: 
     assert got is not None
     assert got.peak_bytes <= budget
     assert got.peak_bytes == simulate(profile, got.modes, micro).peak_bytes
-    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-12)
+    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-9)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -108,7 +110,7 @@ def test_solver_matches_exhaustive_search_at_ten_blocks(profile: Profile) -> Non
     expected = _exhaustive(profile, budget, 1)
     got = solve(profile, budget)
     assert expected is not None and got is not None
-    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-12)
+    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-9)
 
 
 @settings(max_examples=40, deadline=None)
