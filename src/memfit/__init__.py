@@ -20,9 +20,11 @@ from memfit.checkpointing import (
     uncheckpoint,
 )
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.measure.bench import bench
 from memfit.measure.memory import measure
+from memfit.measure.strategies import Strategy
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, Plan, Profile
+from memfit.records import BenchPoint, BlockStats, MemoryReport, Plan, Profile
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
@@ -30,6 +32,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
+    "BenchPoint",
     "BlockStats",
     "ConfigError",
     "GPTConfig",
@@ -40,8 +43,10 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "Strategy",
     "UnsupportedPrecision",
     "__version__",
+    "bench",
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",
