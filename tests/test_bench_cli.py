@@ -100,6 +100,30 @@ def test_usage_errors_exit_2_with_one_line(
     assert list(tmp_path.iterdir()) == []  # nothing was run or written
 
 
+def test_batch_comes_from_the_config_when_it_names_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(
+        "[train]\nbatch_size = 3\n[model]\nn_layer = 2\nn_embd = 32\nn_head = 2\nblock_size = 16\n"
+    )
+    args = [
+        "--set",
+        "data.max_bytes=200000",
+        "--steps",
+        "1",
+        "--strategies",
+        "fp32/none",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(["bench", str(cfg), *args]) == 0
+    assert ", batch 3," in capsys.readouterr().out
+    cfg.write_text("[model]\nn_layer = 2\nn_embd = 32\nn_head = 2\nblock_size = 16\n")
+    assert main(["bench", str(cfg), *args]) == 0
+    assert ", batch 4," in capsys.readouterr().out  # the bench's own modest default
+
+
 def test_argparse_errors_exit_2() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--steps", "many"])

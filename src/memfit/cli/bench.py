@@ -12,15 +12,16 @@ import shlex
 import sys
 from typing import Any
 
+import tomllib
 import torch
 
 from memfit.budget import parse_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.config import Config
-from memfit.devices import default_device
+from memfit.devices import default_device, device_facts
 from memfit.errors import ConfigError
 from memfit.measure.bench import bench
-from memfit.measure.strategies import builtin_strategies
+from memfit.measure.strategies import builtin_strategies, resolve_strategies
 from memfit.report.bench_report import bench_table, default_meta, failed_lines, write_bench_files
 from memfit.report.pareto import recommendation
 from memfit.train.build import build_model
@@ -29,6 +30,11 @@ from memfit.train.data import BatchSampler, ByteCorpus
 HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
 
 __all__ = ["HELP", "add_arguments", "run"]
+
+# NOTE: the bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a
+# modest default batch keeps a default run to a couple of minutes. Ratios between
+# strategies change little with the batch; a batch set in the config or by --set is used.
+_DEFAULT_BATCH = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", help="directory for bench.md/json/csv/png (default: train.out)")
     parser.add_argument(
-        "--steps", type=int, default=3, help="timed steps per strategy, interleaved (default 3)"
+        "--steps", type=int, default=5, help="timed steps per strategy, interleaved (default 5)"
     )
     parser.add_argument(
         "--slow-steps",
@@ -55,7 +61,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=1,
         help="timed steps for precisions the device only emulates (bf16/fp16 on most CPUs; default 1)",
     )
-    parser.add_argument("--batch-size", type=int, help="sequences per step (default: train.batch_size)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"sequences per step (default: train.batch_size if the config or --set gives it, else "
+        f"{_DEFAULT_BATCH})",
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -83,6 +94,16 @@ def _batch(cfg: Config, spec: Any, batch_size: int) -> Any:
         corpus = ByteCorpus.load(cfg.data.path, cfg.data.val_fraction, cfg.data.max_bytes)
         return BatchSampler(corpus.train, batch_size, spec.seq_len, seed=cfg.train.seed).batch_at(0)
     return spec.random_batch(batch_size, seed=cfg.train.seed)
+
+
+def _configured_batch(args: argparse.Namespace) -> bool:
+    """Whether the config file or a ``--set`` names ``train.batch_size``."""
+    if any(o.replace(" ", "").startswith("train.batch_size=") for o in args.overrides):
+        return True
+    if args.config:
+        with open(args.config, "rb") as f:
+            return "batch_size" in tomllib.load(f).get("train", {})
+    return False
 
 
 def _check_budget(text: str | None) -> None:
@@ -117,8 +138,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
     _check_budget(args.budget)
     cfg = config_from_args(args)
-    from memfit.measure.strategies import resolve_strategies
-
     resolve_strategies(names)  # unknown names fail before anything is built
     device = _device(cfg)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
@@ -128,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model)
-    batch_size = args.batch_size or cfg.train.batch_size
+    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else _DEFAULT_BATCH)
     batch = _batch(cfg, spec, batch_size)
     o = cfg.optimizer
 
@@ -165,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
         for line in failed:
             print(f"  {line}")
     print("\n" + recommendation(points, budget))
-    meta = default_meta(str(device), _command(args))
+    meta = default_meta(str(device), _command(args), device_facts(device).description)
+    meta["torch"] = torch.__version__
     meta["model"] = f"{cfg.model.name} ({params:,} parameters), batch {batch_size}"
     meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
     meta["torch threads"] = torch.get_num_threads()

@@ -122,12 +122,12 @@ def _markdown(points: Sequence[BenchPoint], budget_bytes: int | None, meta: dict
     return "\n".join(lines)
 
 
-def default_meta(device: str, command: str = "") -> dict[str, Any]:
-    """Date, machine and command, for the files' headers."""
+def default_meta(device: str, command: str = "", description: str = "") -> dict[str, Any]:
+    """Date, machine, device and command, for the files' headers."""
     meta: dict[str, Any] = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": f"{platform.node()} ({platform.machine()}, {platform.processor() or 'cpu'})",
-        "device": device,
+        "machine": f"{platform.node()} ({platform.machine()}, Python {platform.python_version()})",
+        "device": f"{device} ({description})" if description else device,
     }
     if command:
         meta["command"] = command
