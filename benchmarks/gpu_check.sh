@@ -7,6 +7,8 @@
 # Usage:  benchmarks/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check-out)
 # Env:    PYTHON (default: .venv/bin/python if present, else python3) with a CUDA build of torch;
 #         BATCH (default 8), STEPS (default 3), STRATEGIES (default all 15).
+# Budget: GPU tests at most 120 s, the bench at most 330 s (expected ~3-4 min: 15 strategies,
+#         each copied to the GPU, warmed up, tracked, then 3 interleaved timed steps).
 # Output: OUT_DIR/pytest-gpu.log, OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
 #         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
 set -uo pipefail
@@ -19,7 +21,7 @@ fi
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 
 if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-  echo "gpu_check: no CUDA device visible to $PYTHON (torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)); nothing to check." >&2
+  echo "gpu_check: no CUDA device visible to $PYTHON (torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)); set PYTHON to a Python with a CUDA build of torch." >&2
   exit 2
 fi
 "$PYTHON" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
@@ -27,7 +29,7 @@ fi
 status=0
 echo "== pytest -m gpu"
 start=$SECONDS
-timeout 150 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 # exit code 5: no test is marked gpu yet, which is not a failure of this check
 if [[ $rc -ne 0 && $rc -ne 5 ]]; then echo "gpu_check: GPU tests failed (exit $rc)"; status=1; fi
@@ -35,7 +37,7 @@ echo "pytest -m gpu: $((SECONDS - start)) s"
 
 echo "== memfit bench, GPT-2-medium size, CUDA"
 start=$SECONDS
-timeout 420 "$PYTHON" -m memfit.cli.main bench \
+timeout 330 "$PYTHON" -m memfit.cli.main bench \
   --set model.n_layer=24 --set model.n_embd=1024 --set model.n_head=16 --set model.block_size=1024 \
   --set train.device=cuda --set data.max_bytes=4000000 \
   --batch-size "${BATCH:-8}" --steps "${STEPS:-3}" --strategies "${STRATEGIES:-all}" \

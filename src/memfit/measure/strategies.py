@@ -7,6 +7,12 @@ step runs in and ``micro_batches`` how the batch is split. New strategies (the p
 ``plan@budget``) are one :class:`Strategy` each, passed to :func:`memfit.bench` next to the
 built-in ones.
 
+A planner strategy, for instance, is::
+
+    plan = memfit.plan(model, batch, loss_fn, budget="2GiB")
+    Strategy(name="plan@2GiB", precision=plan.precision, checkpointing="plan",
+             prepare=lambda m, b, f: memfit.apply(m, plan), micro_batches=plan.micro_batches)
+
 Built-in names are ``PRECISION/CHECKPOINTING`` with precision in fp32, bf16, fp16 and
 checkpointing in none, full (every block), every2 (every 2nd block), sequential
 (``checkpoint_sequential`` with sqrt(n) segments) and selective.

@@ -9,7 +9,7 @@ Example:
     >>> p = BenchPoint("fp32/none", "fp32", "none", peak_bytes=2048, step_seconds=0.01,
     ...                peak_ratio=1.0, time_ratio=1.0, recompute_fraction=1.0, on_front=True)
     >>> print(bench_table([p]).splitlines()[2])
-    fp32/none  2048        2.00 KiB  1.00x  10.0           1.00x      1.00x      *
+    fp32/none  2048        2.00 KiB  1.00x      10.0     1.00x      1.00x      *
 """
 
 from __future__ import annotations
