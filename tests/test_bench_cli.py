@@ -124,6 +124,14 @@ def test_batch_comes_from_the_config_when_it_names_one(
     assert ", batch 4," in capsys.readouterr().out  # the bench's own modest default
 
 
+def test_out_that_is_a_file_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert main(["bench", "--strategies", "fp32/none", "--out", str(target)]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert target.read_text() == "keep me"
+
+
 def test_argparse_errors_exit_2() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["bench", "--steps", "many"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 import tomllib
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
     _check_budget(args.budget)
     cfg = config_from_args(args)
+    out = Path(args.out or cfg.train.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a directory for bench.md/json/csv/png.")
     resolve_strategies(names)  # unknown names fail before anything is built
     device = _device(cfg)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
@@ -189,6 +193,6 @@ def run(args: argparse.Namespace) -> int:
     meta["model"] = f"{cfg.model.name} ({params:,} parameters), batch {batch_size}"
     meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
     meta["torch threads"] = torch.get_num_threads()
-    paths = write_bench_files(points, args.out or cfg.train.out, budget, meta)
+    paths = write_bench_files(points, out, budget, meta)
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0

@@ -23,10 +23,9 @@ Example:
 from __future__ import annotations
 
 import copy
-import inspect
 import statistics
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +36,16 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit.checkpointing import uncheckpoint
 from memfit.devices import device_facts
 from memfit.errors import ConfigError, MemfitError
+from memfit.measure.copies import (
+    OptimizerArg,
+    Parked,
+    batch_to,
+    check_optimizer,
+    fresh_optimizer,
+    park,
+    sync,
+    unpark,
+)
 from memfit.measure.memory import tracked_step
 from memfit.measure.strategies import Strategy, builtin_strategy, resolve_strategies
 from memfit.precision import Precision
@@ -44,9 +53,7 @@ from memfit.records import BenchPoint
 from memfit.report.pareto import mark_front
 from memfit.step import Batch, LossFn, training_step
 
-__all__ = ["OptimizerArg", "bench"]
-
-OptimizerArg = torch.optim.Optimizer | Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None
+__all__ = ["bench"]
 
 
 @dataclass
@@ -58,76 +65,7 @@ class _Run:
     model: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
     precision: Precision | None = None
-    parked: list[tuple[dict[Any, Any], Any, torch.device]] = field(default_factory=list)
-
-
-def _check_optimizer(template: OptimizerArg, model: nn.Module) -> None:
-    """Refuse an optimizer over parameters that are not the model's (before anything runs)."""
-    if isinstance(template, torch.optim.Optimizer):
-        own = {id(p) for p in model.parameters()}
-        if any(id(p) not in own for g in template.param_groups for p in g["params"]):
-            raise ConfigError(
-                "the optimizer holds parameters that are not the model's; build it from "
-                "model.parameters() or pass optimizer=lambda params: ..."
-            )
-
-
-def _fresh_optimizer(template: OptimizerArg, original: nn.Module, model: nn.Module) -> Any:
-    """A new optimizer for ``model`` like ``template`` (same class and groups), or ``template(params)``."""
-    if template is None:
-        return None
-    if not isinstance(template, torch.optim.Optimizer):
-        return template(model.parameters())
-    _check_optimizer(template, original)
-    index = {id(p): i for i, p in enumerate(original.parameters())}
-    params = list(model.parameters())
-    groups = []
-    for group in template.param_groups:
-        settings = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**settings, "params": [params[index[id(p)]] for p in group["params"]]})
-    # NOTE: ``defaults`` may hold keys the constructor does not take (AdamW's
-    # ``decoupled_weight_decay``); every group already carries its own settings, so only
-    # the constructor's own keywords are passed, for optimizers whose lr has no default.
-    accepted = inspect.signature(type(template)).parameters
-    kwargs = {k: v for k, v in template.defaults.items() if k in accepted and k != "params"}
-    return type(template)(groups, **kwargs)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _to_device(batch: Batch, device: torch.device) -> Batch:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device)
-    if isinstance(batch, tuple | list):
-        return type(batch)(t.to(device) if isinstance(t, torch.Tensor) else t for t in batch)
-    return batch
-
-
-def _park(run: _Run, device: torch.device) -> None:
-    """On a GPU, move the run's model and optimizer state to the CPU so others' peaks exclude it."""
-    if device.type != "cuda" or run.model is None:
-        return
-    run.model.to("cpu")
-    for p in run.model.parameters():
-        p.grad = None
-    if run.optimizer is not None:
-        for state in run.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.device == device:
-                    state[key] = value.to("cpu")
-                    run.parked.append((state, key, device))
-
-
-def _unpark(run: _Run, device: torch.device) -> None:
-    if device.type != "cuda" or run.model is None:
-        return
-    run.model.to(device)
-    for state, key, dev in run.parked:
-        state[key] = state[key].to(dev)
-    run.parked.clear()
+    parked: list[Parked] = field(default_factory=list)
 
 
 def _reason(exc: BaseException) -> str:
@@ -162,7 +100,7 @@ def _prepare(
     uncheckpoint(copied)
     copied.train()
     run.model = s.prepare(copied, batch, loss_fn)
-    run.optimizer = _fresh_optimizer(template, model, run.model)
+    run.optimizer = fresh_optimizer(template, model, run.model)
     torch.manual_seed(seed)
     point.flops = _flops(run.model, batch, loss_fn, run.optimizer, run)
     peak, breakdown, _ = tracked_step(
@@ -170,7 +108,7 @@ def _prepare(
     )
     point.peak_bytes = int(peak)
     point.breakdown = {k: int(v) for k, v in breakdown.items()}
-    _park(run, device)
+    run.parked = park(run.model, run.optimizer, device)
 
 
 def _drop(run: _Run, exc: BaseException, device: torch.device) -> None:
@@ -264,7 +202,7 @@ def bench(
     for label, value in (("steps", steps), ("slow_steps", steps if slow_steps is None else slow_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{label} must be a positive integer, got {value!r}.")
-    _check_optimizer(optimizer, model)
+    check_optimizer(optimizer, model)
     chosen = resolve_strategies(strategies)
     if baseline not in {s.name for s in chosen}:
         chosen = [*resolve_strategies([baseline]), *chosen]
@@ -273,7 +211,7 @@ def bench(
         if device is not None
         else next((p.device for p in model.parameters()), torch.device("cpu"))
     )
-    batch = _to_device(batch, dev)
+    batch = batch_to(batch, dev)
     tracker = "cuda-allocator" if dev.type == "cuda" else "MemTracker"
     facts = device_facts(dev)
     native = {"fp32": True, "bf16": facts.bf16_native, "fp16": facts.fp16_native}
@@ -326,8 +264,8 @@ def bench(
                     continue
                 if run.point.ok and run.model is not None and run.precision is not None:
                     try:
-                        _unpark(run, dev)
-                        _sync(dev)
+                        unpark(run.model, run.parked, dev)
+                        sync(dev)
                         start = time.perf_counter()
                         training_step(
                             run.model,
@@ -337,9 +275,9 @@ def bench(
                             run.precision,
                             run.strategy.micro_batches,
                         )
-                        _sync(dev)
+                        sync(dev)
                         run.point.step_times.append(time.perf_counter() - start)
-                        _park(run, dev)
+                        run.parked = park(run.model, run.optimizer, dev)
                     except Exception as exc:
                         _drop(run, exc, dev)
                 bar.update(1)
