@@ -168,7 +168,8 @@ class BenchPoint(Record):
     """One strategy measured by :func:`memfit.bench`: its peak bytes, step time and FLOPs.
 
     Ratios are to ``baseline`` (normally ``fp32/none``) measured in the same run. A strategy
-    that could not run has ``error`` set (the reason) and zeros for the numbers.
+    that could not run has ``error`` set (the reason); it has no ratios and is never on the
+    front (numbers measured before it failed, such as its peak, are kept).
     """
 
     strategy: str

@@ -187,7 +187,9 @@ def bench(
         slow_steps: timed steps for strategies whose precision the device only emulates
             (bf16/fp16 on most CPUs, ~20x slower); default ``steps``.
         baseline: the strategy ratios are taken against; measured even when not listed.
-        device: where the copies run (default: the model's device).
+        device: where the copies run (default: the model's device). For a GPU, keep the
+            model on the CPU and pass ``device="cuda"``: a model left on the GPU is in
+            every strategy's allocator peak.
         seed: RNG seed set before each strategy's warm-up, so dropout draws alike.
         progress: show a tqdm bar on stderr.
 
