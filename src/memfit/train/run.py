@@ -203,8 +203,12 @@ def train_from_config(
     resume: str | None = None,
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
+    overwrite: bool = False,
 ) -> TrainRun:
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
+
+    A new run (no ``resume``) refuses a ``train.out`` that already holds one, unless
+    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident.
 
     Returns:
         A :class:`TrainRun` with the trainer, every step's metrics and the files written.
@@ -220,6 +224,15 @@ def train_from_config(
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
     state_path = resolve_resume(resume, out) if resume else None
+    if (
+        state_path is None
+        and not overwrite
+        and any((out / n).exists() for n in ("state.pt", "metrics.jsonl"))
+    ):
+        raise ConfigError(
+            f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
+            "--overwrite, or set train.out to another directory."
+        )
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
