@@ -13,8 +13,9 @@ from memfit.checkpointing import checkpoint, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measure.memory import measure
 from memfit.records import StepMetrics
+from memfit.train.callbacks import Callback
 from memfit.train.gpt import gpt_loss
-from memfit.train.trainer import Callback, Trainer
+from memfit.train.trainer import Trainer
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 #: Accumulating micro-batch gradients sums in a different order than one big batch.
@@ -198,10 +199,10 @@ def test_save_and_load_continue_bit_for_bit(tmp_path) -> None:
 
 def test_micro_batches_are_tracked_and_lower_the_peak() -> None:
     """MemTracker sees every micro-batch of a step; splitting the batch lowers the peak."""
-    batch = token_batch(batch=8)
+    batch = token_batch(batch=8, seq=16)
     peaks = {}
     for parts in (1, 4):
-        model = tiny_gpt()
+        model = tiny_gpt(n_layer=1)
         reference = copy.deepcopy(model)
         trainer = _trainer(model, micro_batches=parts)
         trainer.fit([batch] * 2, steps=2)

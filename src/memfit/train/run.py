@@ -43,7 +43,7 @@ from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
-from memfit.train.state import previous_path
+from memfit.train.state import load_state, previous_path
 from memfit.train.trainer import Callback, Trainer
 
 __all__ = ["TrainRun", "resolve_resume", "train_from_config"]
@@ -259,8 +259,9 @@ def train_from_config(
     )
     resumed_from = None
     if state_path is not None:
-        extra = trainer.load(state_path, data=sampler)
-        _check_same_run(extra.get("config", {}), cfg, state_path)
+        state = load_state(state_path)
+        _check_same_run(dict(state.get("extra") or {}).get("config", {}), cfg, state_path)
+        trainer.load_state_dict(state, data=sampler)
         resumed_from = trainer.step_count
     files = {"metrics": out / "metrics.jsonl", "state": out / "state.pt", "report": out / "report.md"}
     watch = _BudgetWatch(budget, echo) if budget else None

@@ -41,28 +41,10 @@ from memfit.measure.memory import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.train.state import capture_rng, load_state, restore_rng, save_state
+from memfit.train.callbacks import Callback
+from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
 
-__all__ = ["Callback", "Trainer"]
-
-_FORMAT = "memfit-training-state"
-
-
-class Callback:
-    """Hooks the Trainer calls around training; override the ones you need.
-
-    A callback may call ``trainer.stop(reason)`` to end :meth:`Trainer.fit` after the
-    current step (overflow guards, early stopping).
-    """
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` starts."""
-
-    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        """Called after every step (and its evaluation, if any) with what it did."""
-
-    def on_fit_end(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` ends, also when it stops early."""
+__all__ = ["Trainer"]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -337,37 +319,11 @@ class Trainer:
     def state_dict(self, data: Any | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly here: model, optimizer, scaler, scheduler,
         RNG states, ``data.state_dict()`` (a sampler's position) and the step count."""
-        return {
-            "format": _FORMAT,
-            "version": 1,
-            "step": self.step_count,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "precision": self.precision.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": capture_rng(),
-            "data": data.state_dict() if data is not None else None,
-            "extra": extra or {},
-        }
+        return trainer_state(self, data, extra)
 
     def load_state_dict(self, state: dict[str, Any], data: Any | None = None) -> dict[str, Any]:
-        """Restore :meth:`state_dict`; returns its ``extra`` dict."""
-        if state.get("format") != _FORMAT:
-            raise ConfigError("this file is not a memfit Trainer state; save one with Trainer.save().")
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise ConfigError(f"the saved model does not match this model ({first}).") from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if data is not None and state.get("data") is not None:
-            data.load_state_dict(state["data"])
-        restore_rng(state["rng"])
-        self.step_count = int(state["step"])
-        return dict(state.get("extra") or {})
+        """Restore :meth:`state_dict` (and ``data``'s position); returns its ``extra`` dict."""
+        return restore_trainer(self, state, data)
 
     def save(
         self, path: str | os.PathLike[str], data: Any | None = None, extra: dict[str, Any] | None = None
