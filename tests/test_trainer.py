@@ -42,6 +42,7 @@ def test_fp32_fit_reports_each_step_and_loss_goes_down() -> None:
     # memory is tracked on the first steady-state step (optimizer state exists) only
     assert first.peak_bytes is None and history[1].peak_bytes is not None
     assert all(m.peak_bytes is None for m in history[2:])
+    assert [m.tracked for m in history[:3]] == [False, True, False]
     assert trainer.memory is not None and trainer.memory.peak_bytes == history[1].peak_bytes
     assert sum(trainer.memory.breakdown.values()) == trainer.memory.peak_bytes
 

@@ -154,7 +154,7 @@ class _BudgetWatch(Callback):
         self.verdict: str | None = None
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        if self.verdict is not None or trainer.memory is None or metrics.peak_bytes is None:
+        if self.verdict is not None or trainer.memory is None or not metrics.tracked:
             return
         peak = trainer.memory.peak_bytes
         fits = peak <= self.budget

@@ -24,9 +24,7 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -149,7 +147,8 @@ class Trainer:
             return True
         return self.memory_every > 0 and (self.step_count + 1) % self.memory_every == 0
 
-    def _run(self, batch: Batch) -> tuple[StepResult, int | None]:
+    def _run(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
+        """Run the step; return its result, its peak bytes (if known) and whether MemTracker watched."""
         args = (self.model, batch, self.loss_fn, self.optimizer, self.precision, self.micro_batches)
         if self._track_this_step():
             with MemoryWatch(self.model, self.optimizer) as watch:
@@ -161,12 +160,12 @@ class Trainer:
                 precision=self.precision.mode,
                 tracker="cuda-allocator" if self.device.type == "cuda" else "MemTracker",
             )
-            return result, watch.peak_bytes
+            return result, watch.peak_bytes, True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             result = training_step(*args, clip_norm=self.clip_norm)
-            return result, int(torch.cuda.max_memory_allocated(self.device))
-        return training_step(*args, clip_norm=self.clip_norm), None
+            return result, int(torch.cuda.max_memory_allocated(self.device)), False
+        return training_step(*args, clip_norm=self.clip_norm), None, False
 
     def step(self, batch: Batch, eval_fn: Callable[[nn.Module], float] | None = None) -> StepMetrics:
         """Run one optimizer step on ``batch`` and return what it did.
@@ -182,7 +181,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        result, peak = self._run(batch)
+        result, peak, tracked = self._run(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -202,6 +201,7 @@ class Trainer:
             samples_per_s=result.samples / seconds if seconds > 0 else 0.0,
             tokens_per_s=result.tokens / seconds if seconds > 0 else 0.0,
             peak_bytes=peak,
+            tracked=tracked,
         )
         if eval_fn is not None:
             metrics.val_loss = self._evaluate_with(eval_fn)
@@ -307,12 +307,6 @@ class Trainer:
         """The largest peak of any tracked step so far (None before one was tracked)."""
         peaks = [m.peak_bytes for m in self.history if m.peak_bytes is not None]
         return max(peaks) if peaks else None
-
-    def median_step_seconds(self, last: int | None = None) -> float:
-        """Median seconds of the untracked steps after the first (which warms up)."""
-        timed = [m.seconds for m in self.history[1:] if m.peak_bytes is None or self.device.type == "cuda"]
-        timed = timed[-last:] if last else timed
-        return statistics.median(timed) if timed else math.nan
 
     # -- training state ---------------------------------------------------------------
 
