@@ -128,6 +128,26 @@ def test_kill_9_then_resume_gives_the_same_losses_bit_for_bit(tmp_path, text_fil
     assert f"resumed from {killed_out / 'state.pt'} at step {saved_step}" in report
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_and_saves_it(tmp_path, text_file) -> None:
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "memfit.cli.main", "train", str(_config(tmp_path, text_file, out))]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(proc, out)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "stopping after this step" in stdout
+    steps = [m.step for m in read_metrics(out / "metrics.jsonl")]
+    assert steps[-1] < STEPS and steps == list(range(1, steps[-1] + 1))
+    assert load_state(out / "state.pt")["step"] == steps[-1]  # the last finished step was saved
+    assert "stopped early: interrupted (Ctrl-C)" in (out / "report.md").read_text()
+
+
 def _error(capsys, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
     assert main(argv) == 2
     captured = capsys.readouterr()
