@@ -249,11 +249,13 @@ def test_budget_verdict_in_the_report(tmp_path, text_file, capsys) -> None:  # t
     argv = [
         "train", "--quiet", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
         "--set", "model.block_size=8", "--set", "train.steps=2", "--set", f"data.path='{text_file}'",
-        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'",
+        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'", "--set", "model.n_layer=3",
+        "--set", "memory.checkpointing='every:2'",
     ]  # fmt: skip
     assert main(argv) == 0
     assert "is OVER memory.budget" in capsys.readouterr().err
     report = (out / "report.md").read_text()
     assert "OVER memory.budget" in report
+    assert "| checkpointing | full on every 2 blocks (blocks.0, blocks.2) |" in report
     peak = next(m.peak_bytes for m in read_metrics(out / "metrics.jsonl") if m.tracked)
     assert peak is not None and f"{peak:,}" in report
