@@ -220,6 +220,10 @@ def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_pat
         f.truncate(state.stat().st_size - 10)
     line = _error(capsys, [*argv, "--resume"])
     assert "truncated" in line and "state.prev.pt" in line
+    config = tmp_path / "run.toml"
+    config.write_text(f"[train]\nout = '{out}'\n")
+    line = _error(capsys, ["train", "--resume", str(config)])  # the config is not taken for a state
+    assert "truncated" in line
     assert load_state(out / "state.prev.pt")["step"] == 2
     assert main([*argv, "--resume", str(out / "state.prev.pt"), "--set", "train.steps=5"]) == 0
     assert [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
