@@ -19,14 +19,16 @@ from memfit.checkpointing import (
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, StateError, UnsupportedPrecision
 from memfit.measure.bench import bench
 from memfit.measure.memory import measure
 from memfit.measure.strategies import Strategy
 from memfit.precision import Precision
-from memfit.records import BenchPoint, BlockStats, MemoryReport, Plan, Profile
+from memfit.records import BenchPoint, BlockStats, MemoryReport, Plan, Profile, StepMetrics
 from memfit.train.build import ModelSpec
+from memfit.train.callbacks import Callback
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -34,6 +36,7 @@ __all__ = [
     "GPT",
     "BenchPoint",
     "BlockStats",
+    "Callback",
     "ConfigError",
     "GPTConfig",
     "InfeasibleBudget",
@@ -43,7 +46,10 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "StateError",
+    "StepMetrics",
     "Strategy",
+    "Trainer",
     "UnsupportedPrecision",
     "__version__",
     "bench",
