@@ -13,16 +13,20 @@ Example:
 """
 
 from memfit.budget import format_bytes, parse_bytes
+from memfit.check.attribution import attribute
+from memfit.check.guards import Guard, GuardConfig
+from memfit.check.stability import check_stability
+from memfit.check.verdict import Thresholds
 from memfit.checkpointing import (
     checkpoint,
     checkpointed_blocks,
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, NonFiniteLoss, UnsupportedPrecision
 from memfit.measure.memory import measure
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, Plan, Profile
+from memfit.records import BlockStats, MemoryReport, NonFinite, Plan, Profile, StabilityReport
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
@@ -33,15 +37,23 @@ __all__ = [
     "BlockStats",
     "ConfigError",
     "GPTConfig",
+    "Guard",
+    "GuardConfig",
     "InfeasibleBudget",
     "MemfitError",
     "MemoryReport",
     "ModelSpec",
+    "NonFinite",
+    "NonFiniteLoss",
     "Plan",
     "Precision",
     "Profile",
+    "StabilityReport",
+    "Thresholds",
     "UnsupportedPrecision",
     "__version__",
+    "attribute",
+    "check_stability",
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",
