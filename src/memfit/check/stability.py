@@ -58,6 +58,14 @@ class _Run:
     final_scale: float
 
 
+def _to(batch: Batch, device: torch.device) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, tuple | list):
+        return type(batch)(_to(t, device) for t in batch)
+    return batch
+
+
 def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
@@ -150,7 +158,7 @@ class _Checker:
         was = model.training
         model.eval()
         with torch.no_grad():
-            losses = [float(self.loss_fn(model, b).float()) for b in eval_batches]
+            losses = [float(self.loss_fn(model, _to(b, self.device)).float()) for b in eval_batches]
         model.train(was)
         return _finite(sum(losses) / len(losses))
 
@@ -184,7 +192,7 @@ class _Checker:
                 watch.begin_step()
                 r = training_step(
                     model,
-                    self.batches[index],
+                    _to(self.batches[index], self.device),
                     self.loss_fn,
                     None if step in skip else optimizer,
                     precision,
@@ -213,7 +221,8 @@ class _Checker:
         scale = float(precision.scaler.get_scale()) if precision.scaler.is_enabled() else 1.0
         if mode == "fp16":
             half = [n for n, (dtype, _) in watch.ranges.items() if dtype == "float16"]
-            under = grad_underflow_fractions(model, self.batches[order[-1]], self.loss_fn, scale, half)
+            last = _to(self.batches[order[-1]], self.device)
+            under = grad_underflow_fractions(model, last, self.loss_fn, scale, half)
             modules = watch.module_ranges(under)
         return _Run(curve, _flat_params(model), first, modules, scale)
 

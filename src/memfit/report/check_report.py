@@ -139,34 +139,47 @@ def plot_check(report: StabilityReport, path: str | Path) -> Path:
     import matplotlib.pyplot as plt
 
     nan = float("nan")
-    fig, (ax, ax_scale) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    fig = plt.figure(figsize=(12, 7))
+    grid = fig.add_gridspec(2, 2, width_ratios=[2, 1], height_ratios=[3, 2])
+    ax = fig.add_subplot(grid[0, 0])
+    ax_diff = fig.add_subplot(grid[1, 0], sharex=ax)
+    ax_scale = fig.add_subplot(grid[:, 1])
     ref = [nan if v is None else v for v in report.reference.losses]
     noise = [nan if v is None else v for v in report.noise.losses]
     steps = list(range(1, len(ref) + 1))
     k = min(len(ref), len(noise))
     lo = [min(a, b) for a, b in zip(ref[:k], noise[:k], strict=True)]
     hi = [max(a, b) for a, b in zip(ref[:k], noise[:k], strict=True)]
+    spread = [abs(a - b) for a, b in zip(ref[:k], noise[:k], strict=True)]
     ax.fill_between(steps[:k], lo, hi, color="0.8", label="fp32 noise band (two fp32 runs)")
+    ax_diff.fill_between(steps[:k], [-d for d in spread], spread, color="0.8", label="± fp32 noise")
     ax.plot(steps, ref, color="black", lw=1.5, label="fp32")
+    ax_diff.axhline(0.0, color="black", lw=1)
     ax.plot(
         list(range(1, len(noise) + 1)), noise, color="0.45", lw=1, ls="--", label="fp32, other order/seed"
     )
     for pc in report.by_precision.values():
         ys = [nan if v is None else v for v in pc.run.losses]
-        (line,) = ax.plot(list(range(1, len(ys) + 1)), ys, lw=1.2, label=f"{pc.precision} ({pc.verdict})")
+        xs = list(range(1, len(ys) + 1))
+        (line,) = ax.plot(xs, ys, lw=1.2, label=f"{pc.precision} ({pc.verdict})")
+        base = ref
         if pc.reference_run is not None:
-            twin = [nan if v is None else v for v in pc.reference_run.losses]
+            base = [nan if v is None else v for v in pc.reference_run.losses]
             ax.plot(
-                list(range(1, len(twin) + 1)),
-                twin,
+                list(range(1, len(base) + 1)),
+                base,
                 lw=0.8,
                 ls=":",
                 color=line.get_color(),
                 label=f"fp32 skipping {pc.precision}'s skipped steps",
             )
+        diff = [a - b for a, b in zip(ys, base, strict=False)]
+        ax_diff.plot(xs[: len(diff)], diff, lw=1.2, color=line.get_color(), label=f"{pc.precision} - fp32")
         if pc.precision == "fp16" or any(s != 1.0 for s in pc.run.scales):
-            ax_scale.plot(list(range(1, len(ys) + 1)), pc.run.scales, label=pc.precision)
-    ax.set_xlabel("step")
+            ax_scale.plot(xs, pc.run.scales, label=pc.precision, color=line.get_color())
+    ax_diff.set_xlabel("step")
+    ax_diff.set_ylabel("loss - fp32 loss")
+    ax_diff.legend(fontsize=8)
     ax.set_ylabel("training loss")
     ax.set_title(f"memfit check: {report.verdict}")
     ax.legend(fontsize=8)
