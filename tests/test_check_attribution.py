@@ -112,3 +112,47 @@ def test_underflow_fraction_falls_as_the_loss_scale_rises() -> None:
     assert low["1"] == 1.0 and low["0"] == 1.0
     assert high["1"] == 0.0
     assert all(math.isfinite(v) for v in high.values())
+
+
+class _InplaceBlock(nn.Module):
+    """A ResNet-style block that modifies module outputs in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.fc(x))
+        out += x
+        return self.relu(out)
+
+
+def test_models_that_modify_outputs_in_place_can_be_watched() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_InplaceBlock(), _InplaceBlock(), nn.Linear(4, 1))
+    x = torch.randn(5, 4)
+    assert attribute(model, x, lambda m, b: m(b).sum(), Precision("fp32", device="cpu")) is None
+    _inject_nan(model[1].fc)
+    found = attribute(model, x, lambda m, b: m(b).sum(), Precision("fp32", device="cpu"))
+    assert found is not None and (found.module, found.phase) == ("1.fc", "forward")
+
+
+class _BadBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(32, 32)
+        self.bad = _BadBackward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bad(self.inner(x))
+
+
+def test_backward_overflow_inside_a_checkpointed_block_is_named() -> None:
+    model = tiny_gpt(n_layer=2)
+    model.blocks[1].mlp = _BadBlock()  # type: ignore[assignment]
+    checkpoint(model, mode="full")
+    found = attribute(model, token_batch(), gpt_loss, Precision("fp32", device="cpu"))
+    assert found is not None
+    assert (found.module, found.phase) == ("blocks.1.mlp.bad", "backward")

@@ -100,3 +100,20 @@ def test_unseeded_factory_is_seeded_so_its_runs_compare() -> None:
 
     report = check_stability(unseeded, vector_batches(3), mse, _adamw, ("bf16",), steps=3)
     assert report.by_precision["bf16"].verdict == "PASS"
+
+
+def test_skipped_steps_are_compared_with_fp32_skipping_the_same_steps() -> None:
+    def mlp() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+
+    def loud_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return mse(model, batch) * 3.0  # scaled gradients overflow fp16 at the first scales
+
+    report = check_stability(mlp, vector_batches(8), loud_loss, _adamw, ("fp16",), steps=8)
+    fp16 = report.by_precision["fp16"]
+    assert fp16.skipped_steps == 2 and fp16.reference_run is not None
+    assert fp16.reference_run.skipped == fp16.run.skipped
+    assert fp16.band_multiple is not None and fp16.band_multiple < 2
+    assert fp16.verdict == "WARN"  # 25% of steps skipped, above the 20% limit
+    assert any("skipped 2 of 8" in r for r in fp16.reasons)
+    assert StabilityReport.from_json(report.to_json()) == report

@@ -1,12 +1,19 @@
 """Overflow attribution: which module produced the first inf or NaN, in which phase.
 
 PyTorch's GradScaler only knows that *some* gradient overflowed. :class:`OverflowWatch`
-puts a forward hook and a full backward hook on every module while it is open (and removes
-them when it closes, so normal training pays nothing), records the largest absolute value
-each module produced, and after a step names the first module, in execution order, whose
-output (forward) or input gradient (backward) was not finite. Hooks fire innermost first,
-so the first non-finite record is the module that produced the value, not a container
-that merely passed it on.
+puts a forward hook on every module while it is open (and removes it when it closes, so
+normal training pays nothing). The hook records the largest absolute value of the
+module's output and registers a backward hook on that output tensor, which records the
+largest absolute value of the gradient flowing into it. After a step it names the first
+module, in execution order, whose output was not finite (forward), or, in backward order,
+the module whose backward turned a finite output gradient into a non-finite gradient of
+its inputs. Hooks fire innermost first, so the first non-finite record is the module that
+produced the value, not a container that merely passed it on.
+
+# NOTE: the backward hooks are tensor hooks on module outputs, not
+# ``register_full_backward_hook``: full backward hooks wrap outputs in a custom autograd
+# Function, and a model that then modifies an output in place (``out += identity``,
+# ``ReLU(inplace=True)``, as ResNets do) fails with a view+inplace error.
 
 Trade-off: while open, each hooked module costs one ``abs().amax()`` per output, and the
 step pays one device sync at the end; that is why the watch is for checking and for
@@ -28,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -91,43 +97,40 @@ class OverflowWatch:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self._handles: list[Any] = []
-        self._warnings = warnings.catch_warnings()
         self._forward: list[tuple[str, torch.dtype, torch.Tensor]] = []
         self._backward: list[tuple[str, torch.dtype, torch.Tensor]] = []
         self.ranges: dict[str, tuple[str, float]] = {}
         """``{module: (output dtype, largest |output| so far)}``; inf once non-finite."""
 
     def __enter__(self) -> OverflowWatch:
-        self._warnings.__enter__()
-        # A module whose inputs need no gradient (the first layer) still reports its output
-        # gradient; PyTorch warns about that, and for attribution it is what we want.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_hook(self._forward_hook(name)))
-            self._handles.append(module.register_full_backward_hook(self._backward_hook(name)))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        self._warnings.__exit__(None, None, None)
 
     def _forward_hook(self, name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if _in_backward():
                 return
-            found = _amax(_floats(output))
-            if found is not None:
-                self._forward.append((name, found[1], found[0]))
+            tensors = list(_floats(output))
+            found = _amax(tensors)
+            if found is None:
+                return
+            self._forward.append((name, found[1], found[0]))
+            if torch.is_grad_enabled():
+                for t in tensors:
+                    if t.requires_grad:
+                        t.register_hook(self._grad_hook(name))
 
         return hook
 
-    def _backward_hook(self, name: str) -> Any:
-        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            found = _amax(_floats(grad_input))
-            if found is not None:
-                self._backward.append((name, found[1], found[0]))
+    def _grad_hook(self, name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            self._backward.append((name, grad.dtype, grad.detach().abs().amax().float()))
 
         return hook
 
@@ -159,9 +162,11 @@ class OverflowWatch:
                 return _record(name, "forward", dtype, value, step)
         if not math.isfinite(loss):
             return NonFinite(_LOSS, "loss", loss_dtype, "nan" if math.isnan(loss) else "inf", step)
-        for (name, dtype, _), value in zip(backward, bwd_values, strict=True):
+        for i, ((_name, dtype, _), value) in enumerate(zip(backward, bwd_values, strict=True)):
             if not math.isfinite(value):
-                return _record(name, "backward", dtype, value, step)
+                # The gradient into this output broke: the module whose backward ran
+                # just before (the last finite record) made it; none before it: the loss.
+                return _record(backward[i - 1][0] if i else _LOSS, "backward", dtype, value, step)
         return self._parameter_grads(step)
 
     def _parameter_grads(self, step: int) -> NonFinite | None:
@@ -255,23 +260,31 @@ def grad_underflow_fractions(
     counts: dict[str, list[int]] = {}
     handles = []
 
-    def make(name: str) -> Any:
-        def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            for g in _floats(grad_output):
-                g32 = g.detach().float()
-                nonzero = g32 != 0
-                flushed = nonzero & ((g32 * scale).half() == 0)
-                c = counts.setdefault(name, [0, 0])
-                c[0] += int(flushed.sum())
-                c[1] += int(nonzero.sum())
+    def count(name: str) -> Any:
+        def hook(grad: torch.Tensor) -> None:
+            g32 = grad.detach().float()
+            nonzero = g32 != 0
+            flushed = nonzero & ((g32 * scale).half() == 0)
+            c = counts.setdefault(name, [0, 0])
+            c[0] += int(flushed.sum())
+            c[1] += int(nonzero.sum())
 
         return hook
 
-    with preserved(model), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    def make(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if _in_backward():
+                return
+            for t in _floats(output):
+                if t.requires_grad:
+                    t.register_hook(count(name))
+
+        return hook
+
+    with preserved(model):
         for name, module in model.named_modules():
             if name in wanted:
-                handles.append(module.register_full_backward_hook(make(name)))
+                handles.append(module.register_forward_hook(make(name)))
         try:
             model.zero_grad(set_to_none=True)
             loss = loss_fn(model, batch)

@@ -96,7 +96,9 @@ def judge(pc: PrecisionCheck, t: Thresholds | None = None) -> tuple[str, list[st
             f"the loss scaler skipped {pc.skipped_steps} of {steps} steps (limit {t.warn_skip_fraction:.0%})"
         )
     elif pc.skipped_steps:
-        ok.append(f"the loss scaler skipped {pc.skipped_steps} of {steps} steps while finding its scale")
+        ok.append(
+            f"the loss scaler skipped {pc.skipped_steps} of {steps} steps (limit {t.warn_skip_fraction:.0%})"
+        )
     if pc.final_scale < 1.0:
         fail.append(f"the loss scale fell to {pc.final_scale:g} (< 1): gradients overflow fp16 even unscaled")
     if pc.band_multiple is not None:
