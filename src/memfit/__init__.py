@@ -6,6 +6,7 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Callback, Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -23,18 +24,27 @@ from memfit.checkpointing import (
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, NonFiniteLoss, UnsupportedPrecision
+from memfit.errors import (
+    ConfigError,
+    InfeasibleBudget,
+    MemfitError,
+    NonFiniteLoss,
+    StateError,
+    UnsupportedPrecision,
+)
 from memfit.measure.memory import measure
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, NonFinite, Plan, Profile, StabilityReport
+from memfit.records import BlockStats, MemoryReport, NonFinite, Plan, Profile, StabilityReport, StepMetrics
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Callback, Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
     "BlockStats",
+    "Callback",
     "ConfigError",
     "GPTConfig",
     "Guard",
@@ -49,7 +59,10 @@ __all__ = [
     "Precision",
     "Profile",
     "StabilityReport",
+    "StateError",
+    "StepMetrics",
     "Thresholds",
+    "Trainer",
     "UnsupportedPrecision",
     "__version__",
     "attribute",

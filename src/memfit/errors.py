@@ -8,7 +8,14 @@ catch the class they care about.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InfeasibleBudget", "MemfitError", "NonFiniteLoss", "UnsupportedPrecision"]
+__all__ = [
+    "ConfigError",
+    "InfeasibleBudget",
+    "MemfitError",
+    "NonFiniteLoss",
+    "StateError",
+    "UnsupportedPrecision",
+]
 
 
 class MemfitError(Exception):
@@ -52,3 +59,7 @@ class NonFiniteLoss(MemfitError):
         super().__init__(message)
         self.attribution = attribution
         self.state_path = state_path
+
+
+class StateError(MemfitError):
+    """A training-state file is missing, truncated, damaged or does not fit this run."""
