@@ -207,6 +207,7 @@ def attribute(
     precision: Precision,
     step: int = 0,
     rng_state: torch.Tensor | None = None,
+    cuda_rng_state: torch.Tensor | None = None,
 ) -> NonFinite | None:
     """Replay forward and backward of one batch with hooks and name the first non-finite value.
 
@@ -220,6 +221,7 @@ def attribute(
         precision: the precision the step ran in.
         step: the step number to put in the record.
         rng_state: the CPU RNG state the step started with (replays dropout exactly).
+        cuda_rng_state: the current CUDA device's RNG state the step started with.
 
     Returns:
         The first non-finite value, or None if the replay was finite throughout.
@@ -228,6 +230,8 @@ def attribute(
     with preserved(model), OverflowWatch(model) as watch:
         if rng_state is not None:
             torch.set_rng_state(rng_state)
+        if cuda_rng_state is not None:
+            torch.cuda.set_rng_state(cuda_rng_state)
         model.zero_grad(set_to_none=True)
         with precision.autocast():
             loss = loss_fn(model, batch)

@@ -96,9 +96,9 @@ class GuardEvent:
 
 
 class _LossNotFinite(Exception):
-    def __init__(self, batch: Batch, rng: torch.Tensor, value: float) -> None:
+    def __init__(self, batch: Batch, rng: torch.Tensor, cuda_rng: torch.Tensor | None, value: float) -> None:
         super().__init__("non-finite loss")
-        self.batch, self.rng, self.value = batch, rng, value
+        self.batch, self.rng, self.cuda_rng, self.value = batch, rng, cuda_rng, value
 
 
 def _checked(loss_fn: LossFn) -> LossFn:
@@ -106,10 +106,11 @@ def _checked(loss_fn: LossFn) -> LossFn:
 
     def guarded(model: nn.Module, batch: Batch) -> torch.Tensor:
         rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
         loss = loss_fn(model, batch)
         value = float(loss.detach())
         if not math.isfinite(value):
-            raise _LossNotFinite(batch, rng, value)
+            raise _LossNotFinite(batch, rng, cuda_rng, value)
         return loss
 
     return guarded
@@ -168,7 +169,7 @@ class Guard:
             try:
                 result = training_step(model, batch, fn, optimizer, precision, micro_batches, clip_norm)
             except _LossNotFinite as bad:
-                nf = attribute(model, bad.batch, loss_fn, precision, step, bad.rng)
+                nf = attribute(model, bad.batch, loss_fn, precision, step, bad.rng, bad.cuda_rng)
                 precision = self._recover(model, precision, step, nf, f"loss is {bad.value}")
                 continue
             return result, self._observe(model, batch, loss_fn, precision, step, result)
