@@ -116,3 +116,24 @@ def test_memfit_train_config_fallback_is_logged_in_the_report(tmp_path: Path) ->
     assert len(run.history) == 4 and run.trainer.precision.mode == "bf16"
     report = (tmp_path / "report.md").read_text()
     assert "guard, step 1" in report and "fp16 -> bf16" in report
+
+
+class _NoHooks(Callback):
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        for module in trainer.model.modules():
+            assert not module._forward_hooks and not module._backward_hooks
+            self.seen += 1
+
+
+def test_normal_training_installs_no_hooks() -> None:
+    model = tiny_gpt()
+    probe = _NoHooks()
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters()), gpt_loss, "bf16",
+        callbacks=[probe], progress=False, track_memory=False,
+    )  # fmt: skip
+    trainer.fit(_sampler(), steps=2)
+    assert probe.seen > 0 and trainer.guard.events == []
