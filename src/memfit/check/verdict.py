@@ -7,7 +7,7 @@ runs, fp16's largest value, the number of steps), so one set works across models
 
 Example:
     >>> from memfit.records import PrecisionCheck, RunCurve
-    >>> pc = PrecisionCheck("bf16", "", [], RunCurve("bf16", "bf16"), loss_delta=0.001,
+    >>> pc = PrecisionCheck("bf16", "", [], RunCurve("bf16", "bf16", eval_loss=2.0), loss_delta=0.001,
     ...                     band_multiple=0.5, grad_norm_ratio=1.01)
     >>> judge(pc)[0]
     'PASS'
