@@ -38,7 +38,7 @@ def _module_table(pc: PrecisionCheck) -> list[str]:
         ]
         for m in pc.modules[:_TOP_MODULES]
     ]
-    head = ["module", "output dtype", "max |activation|", "of fp16 max 65504", "grads lost to underflow"]
+    head = ["module", "output dtype", "max abs activation", "of fp16 max 65504", "grads lost to underflow"]
     return [
         "",
         f"Modules closest to fp16's limits ({min(len(pc.modules), _TOP_MODULES)} of {len(pc.modules)}; "
@@ -95,7 +95,7 @@ def check_markdown(report: StabilityReport) -> str:
         "precision",
         "verdict",
         "final loss",
-        "|Δ loss| vs fp32",
+        "abs Δ loss vs fp32",
         "noise bands",
         "grad-norm ratio",
         "param drift",
