@@ -216,4 +216,24 @@ def test_resume_refuses_a_different_run(capsys, tmp_path, text_file) -> None:  #
     line = _error(capsys, [*argv, "--resume", "--set", "optimizer.lr=0.01"])
     assert "optimizer.lr" in line and "0.001" in line
     line = _error(capsys, [*argv, "--resume", "--set", "model.n_embd=32", "--set", "model.n_head=2"])
-    assert "model" in line
+    assert "model.n_embd = 16" in line and "32" in line
+
+
+def test_example_config_loads() -> None:
+    cfg = load_config(TESTS.parent / "examples" / "gpt.toml")
+    assert cfg.memory.checkpointing == "full" and cfg.optimizer.schedule == "cosine"
+
+
+def test_budget_verdict_in_the_report(tmp_path, text_file, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "run"
+    argv = [
+        "train", "--quiet", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
+        "--set", "model.block_size=8", "--set", "train.steps=2", "--set", f"data.path='{text_file}'",
+        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert "is OVER memory.budget" in capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert "OVER memory.budget" in report
+    peak = next(m.peak_bytes for m in read_metrics(out / "metrics.jsonl") if m.tracked)
+    assert peak is not None and f"{peak:,}" in report

@@ -13,11 +13,11 @@ from memfit.check.guards import GuardConfig
 from memfit.config import load_config
 from memfit.errors import NonFiniteLoss
 from memfit.records import StepMetrics
-from memfit.train.callbacks import SaveState
+from memfit.train.callbacks import Callback, SaveState
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.train.gpt import gpt_loss
 from memfit.train.run import train_from_config
-from memfit.train.trainer import Callback, Trainer
+from memfit.train.trainer import Trainer
 
 
 def _sampler() -> BatchSampler:

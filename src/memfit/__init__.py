@@ -6,7 +6,8 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.trainer import Callback, Trainer
+from memfit.train.callbacks import Callback
+from memfit.train.trainer import Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -36,8 +37,9 @@ from memfit.measure.memory import measure
 from memfit.precision import Precision
 from memfit.records import BlockStats, MemoryReport, NonFinite, Plan, Profile, StabilityReport, StepMetrics
 from memfit.train.build import ModelSpec
+from memfit.train.callbacks import Callback
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.trainer import Callback, Trainer
+from memfit.train.trainer import Trainer
 
 __version__ = "0.1.0"
 

@@ -190,6 +190,8 @@ class StepMetrics(Record):
     tokens_per_s: float = 0.0
     peak_bytes: int | None = None
     val_loss: float | None = None
+    tracked: bool = False
+    """MemTracker watched this step (it ran slower; timings leave it out)."""
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 from pathlib import Path
 
 import torch
@@ -25,10 +24,10 @@ from torch.optim.lr_scheduler import LRScheduler
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpoint, find_blocks
 from memfit.errors import ConfigError
-from memfit.records import MemoryReport, Plan, StepMetrics
+from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
 from memfit.report.table import markdown_table, text_table
-from memfit.report.training import memory_rows, summarize
+from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.train.callbacks import MetricsLog
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
@@ -90,12 +89,6 @@ def _threads(asked: int | None) -> int:
     return 1 if busy else torch.get_num_threads()
 
 
-def _median_seconds(history: list[StepMetrics]) -> float:
-    """Median of the untracked steps after the first (MemTracker slows the tracked one)."""
-    timed = [m.seconds for m in history[1:] if m.peak_bytes is None]
-    return statistics.median(timed) if timed else float("nan")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the baseline and memfit side by side, then memfit alone; print and write the results."""
     if args.steps < 3 or not 3 <= args.baseline_steps <= args.steps:
@@ -154,7 +147,7 @@ def _finish(
     k = args.baseline_steps
     paired = main.history[:k]
     diff = max(abs(a.loss - b.loss) for a, b in zip(base.history, paired, strict=True))
-    t_base, t_main = _median_seconds(base.history), _median_seconds(paired)
+    t_base, t_main = median_step_seconds(base.history), median_step_seconds(paired)
     s = summarize(main.history)
     mem: dict[str, MemoryReport] = {"baseline": base.memory, "memfit": main.memory}
     ratio = main.memory.peak_bytes / base.memory.peak_bytes

@@ -23,6 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STATE",
         help="continue from a saved training state (default: state.pt in train.out)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no per-evaluation lines")
 
 
@@ -34,5 +37,6 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=False if args.quiet else None,
         echo=(lambda _line: None) if args.quiet else print,
+        overwrite=args.overwrite,
     )
     return 0

@@ -68,6 +68,8 @@ class MemoryWatch:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self._hook: Any = None
         self.device = _device_of(model)
         self.peak_bytes = 0
         self.breakdown: dict[str, int] = {}
@@ -83,11 +85,25 @@ class MemoryWatch:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        # NOTE: registered before MemTracker's own global hooks so it runs first.
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
         self._tracker.__enter__()
         return self
 
+    def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
+        # NOTE: MemTracker refuses a second forward of the root module in one context (it
+        # takes it for a new iteration). With gradient accumulation that second forward is
+        # the next micro-batch of the same step: clear the per-module statistics (the
+        # peak snapshot is kept) so it is tracked like the first.
+        tracker = self._tracker
+        if module is self.model and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+
     def __exit__(self, *exc: object) -> None:
         self._tracker.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         self.breakdown = _parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
         self.peak_bytes = sum(self.breakdown.values())
         if self.device.type == "cuda":

@@ -22,12 +22,31 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from memfit.records import StepMetrics
-from memfit.train.trainer import Callback, Trainer
 
-__all__ = ["MetricsLog", "SaveState", "read_metrics"]
+if TYPE_CHECKING:
+    from memfit.train.trainer import Trainer
+
+__all__ = ["Callback", "MetricsLog", "SaveState", "read_metrics"]
+
+
+class Callback:
+    """Hooks the Trainer calls around training; override the ones you need.
+
+    A callback may call ``trainer.stop(reason)`` to end :meth:`Trainer.fit` after the
+    current step (overflow guards, early stopping).
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Called when :meth:`Trainer.fit` starts."""
+
+    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        """Called after every step (and its evaluation, if any) with what it did."""
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        """Called when :meth:`Trainer.fit` ends, also when it stops early."""
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:

@@ -44,7 +44,7 @@ from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
-from memfit.train.state import previous_path
+from memfit.train.state import load_state, previous_path
 from memfit.train.trainer import Callback, Trainer
 
 __all__ = ["TrainRun", "resolve_resume", "train_from_config"]
@@ -155,7 +155,7 @@ class _BudgetWatch(Callback):
         self.verdict: str | None = None
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        if self.verdict is not None or trainer.memory is None or metrics.peak_bytes is None:
+        if self.verdict is not None or trainer.memory is None or not metrics.tracked:
             return
         peak = trainer.memory.peak_bytes
         fits = peak <= self.budget
@@ -204,8 +204,12 @@ def train_from_config(
     resume: str | None = None,
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
+    overwrite: bool = False,
 ) -> TrainRun:
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
+
+    A new run (no ``resume``) refuses a ``train.out`` that already holds one, unless
+    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident.
 
     Returns:
         A :class:`TrainRun` with the trainer, every step's metrics and the files written.
@@ -221,6 +225,15 @@ def train_from_config(
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
     state_path = resolve_resume(resume, out) if resume else None
+    if (
+        state_path is None
+        and not overwrite
+        and any((out / n).exists() for n in ("state.pt", "metrics.jsonl"))
+    ):
+        raise ConfigError(
+            f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
+            "--overwrite, or set train.out to another directory."
+        )
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
@@ -248,8 +261,9 @@ def train_from_config(
     )
     resumed_from = None
     if state_path is not None:
-        extra = trainer.load(state_path, data=sampler)
-        _check_same_run(extra.get("config", {}), cfg, state_path)
+        state = load_state(state_path)
+        _check_same_run(dict(state.get("extra") or {}).get("config", {}), cfg, state_path)
+        trainer.load_state_dict(state, data=sampler)
         resumed_from = trainer.step_count
     files = {"metrics": out / "metrics.jsonl", "state": out / "state.pt", "report": out / "report.md"}
     watch = _BudgetWatch(budget, echo) if budget else None

@@ -28,9 +28,7 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,28 +45,10 @@ from memfit.measure.memory import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn, StepResult
-from memfit.train.state import capture_rng, load_state, restore_rng, save_state
+from memfit.train.callbacks import Callback
+from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
 
-__all__ = ["Callback", "Trainer"]
-
-_FORMAT = "memfit-training-state"
-
-
-class Callback:
-    """Hooks the Trainer calls around training; override the ones you need.
-
-    A callback may call ``trainer.stop(reason)`` to end :meth:`Trainer.fit` after the
-    current step (overflow guards, early stopping).
-    """
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` starts."""
-
-    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        """Called after every step (and its evaluation, if any) with what it did."""
-
-    def on_fit_end(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` ends, also when it stops early."""
+__all__ = ["Trainer"]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -208,7 +188,8 @@ class Trainer:
         self.save(path, data=self._data)
         return path
 
-    def _run(self, batch: Batch) -> tuple[StepResult, int | None]:
+    def _run(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
+        """Run the step; return its result, its peak bytes (if known) and whether MemTracker watched."""
         if self._track_this_step():
             with MemoryWatch(self.model, self.optimizer) as watch:
                 result = self._guarded_step(batch)
@@ -219,12 +200,12 @@ class Trainer:
                 precision=self.precision.mode,
                 tracker="cuda-allocator" if self.device.type == "cuda" else "MemTracker",
             )
-            return result, watch.peak_bytes
+            return result, watch.peak_bytes, True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             result = self._guarded_step(batch)
-            return result, int(torch.cuda.max_memory_allocated(self.device))
-        return self._guarded_step(batch), None
+            return result, int(torch.cuda.max_memory_allocated(self.device)), False
+        return self._guarded_step(batch), None, False
 
     def step(self, batch: Batch, eval_fn: Callable[[nn.Module], float] | None = None) -> StepMetrics:
         """Run one optimizer step on ``batch`` and return what it did.
@@ -240,7 +221,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        result, peak = self._run(batch)
+        result, peak, tracked = self._run(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -260,6 +241,7 @@ class Trainer:
             samples_per_s=result.samples / seconds if seconds > 0 else 0.0,
             tokens_per_s=result.tokens / seconds if seconds > 0 else 0.0,
             peak_bytes=peak,
+            tracked=tracked,
         )
         if eval_fn is not None:
             metrics.val_loss = self._evaluate_with(eval_fn)
@@ -367,48 +349,16 @@ class Trainer:
         peaks = [m.peak_bytes for m in self.history if m.peak_bytes is not None]
         return max(peaks) if peaks else None
 
-    def median_step_seconds(self, last: int | None = None) -> float:
-        """Median seconds of the untracked steps after the first (which warms up)."""
-        timed = [m.seconds for m in self.history[1:] if m.peak_bytes is None or self.device.type == "cuda"]
-        timed = timed[-last:] if last else timed
-        return statistics.median(timed) if timed else math.nan
-
     # -- training state ---------------------------------------------------------------
 
     def state_dict(self, data: Any | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly here: model, optimizer, scaler, scheduler,
         RNG states, ``data.state_dict()`` (a sampler's position) and the step count."""
-        return {
-            "format": _FORMAT,
-            "version": 1,
-            "step": self.step_count,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "precision": self.precision.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": capture_rng(),
-            "data": data.state_dict() if data is not None else None,
-            "extra": extra or {},
-        }
+        return trainer_state(self, data, extra)
 
     def load_state_dict(self, state: dict[str, Any], data: Any | None = None) -> dict[str, Any]:
-        """Restore :meth:`state_dict`; returns its ``extra`` dict."""
-        if state.get("format") != _FORMAT:
-            raise ConfigError("this file is not a memfit Trainer state; save one with Trainer.save().")
-        try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise ConfigError(f"the saved model does not match this model ({first}).") from None
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if data is not None and state.get("data") is not None:
-            data.load_state_dict(state["data"])
-        restore_rng(state["rng"])
-        self.step_count = int(state["step"])
-        return dict(state.get("extra") or {})
+        """Restore :meth:`state_dict` (and ``data``'s position); returns its ``extra`` dict."""
+        return restore_trainer(self, state, data)
 
     def save(
         self, path: str | os.PathLike[str], data: Any | None = None, extra: dict[str, Any] | None = None
