@@ -69,3 +69,30 @@ def loud_spec() -> ModelSpec:
         return torch.randn(batch_size, width, generator=g), torch.randn(batch_size, 1, generator=g)
 
     return ModelSpec(model=LoudMLP(width), loss_fn=mse, make_batch=make_batch)
+
+
+class _NaNAtBatch:
+    """Forward hook: NaN out of a block on the n-th distinct training batch (replays see it again)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.seen: list[float] = []
+
+    def __call__(
+        self, module: nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor
+    ) -> torch.Tensor | None:
+        if not module.training or self.at <= 0:
+            return None
+        key = float(args[0].detach().double().sum())
+        if key not in self.seen:
+            self.seen.append(key)
+        return out * float("nan") if self.seen.index(key) + 1 == self.at else None
+
+
+def nan_gpt() -> GPT:
+    """A small GPT whose ``blocks.1`` outputs NaN on training batch ``$MEMFIT_TEST_NAN_AT`` (0: never)."""
+    import os
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, block_size=16))
+    model.blocks[1].register_forward_hook(_NaNAtBatch(int(os.environ.get("MEMFIT_TEST_NAN_AT", "0"))))
+    return model

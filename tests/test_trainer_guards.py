@@ -13,7 +13,7 @@ from memfit.check.guards import GuardConfig
 from memfit.config import load_config
 from memfit.errors import NonFiniteLoss
 from memfit.records import StepMetrics
-from memfit.train.callbacks import Callback, SaveState
+from memfit.train.callbacks import Callback, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.train.gpt import gpt_loss
 from memfit.train.run import train_from_config
@@ -137,3 +137,27 @@ def test_normal_training_installs_no_hooks() -> None:
     )  # fmt: skip
     trainer.fit(_sampler(), steps=2)
     assert probe.seen > 0 and trainer.guard.events == []
+
+
+def test_memfit_train_stops_with_exit_2_and_resumes_from_last_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from memfit.cli.main import main
+
+    out = tmp_path / "out"
+    args = [
+        "train",
+        *("--set", "model.name='import:check_models:nan_gpt'", "--set", "model.block_size=16"),
+        *("--set", "train.steps=6", "--set", "train.batch_size=2", "--set", "train.checkpoint_every=2"),
+        *("--set", "data.max_bytes=100000", "--set", "train.eval_every=0", "--set", f"train.out='{out}'"),
+        "--quiet",
+    ]
+    monkeypatch.setenv("MEMFIT_TEST_NAN_AT", "4")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "stopped at step 4" in err[0] and "'blocks.1'" in err[0] and "forward" in err[0]
+    assert (out / "last-good.pt").exists()
+    monkeypatch.setenv("MEMFIT_TEST_NAN_AT", "0")
+    assert main([*args, "--resume", str(out / "last-good.pt")]) == 0
+    steps = [m.step for m in read_metrics(out / "metrics.jsonl")]
+    assert steps == [1, 2, 3, 4, 5, 6]

@@ -141,7 +141,9 @@ class Guard:
 
     def _event(self, step: int, kind: str, message: str, nf: NonFinite | None = None) -> None:
         self.events.append(GuardEvent(step, kind, message, nf))
-        (log.error if kind == "stop" else log.warning)("step %d: %s", step, message)
+        # A stop is also raised as NonFiniteLoss, which the caller reports: logged at INFO so
+        # that it is not printed twice.
+        (log.info if kind == "stop" else log.warning)("step %d: %s", step, message)
 
     def step(
         self,
