@@ -215,3 +215,10 @@ def test_micro_batches_are_tracked_and_lower_the_peak() -> None:
             == peaks[parts]
         )
     assert peaks[4] < peaks[1]
+
+
+def test_stateless_optimizer_still_gets_a_tracked_step() -> None:
+    model = tiny_gpt(n_layer=1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), gpt_loss, "fp32", progress=False)
+    history = trainer.fit([token_batch(batch=2, seq=8)] * 2, steps=2)
+    assert [m.tracked for m in history] == [False, True] and history[1].peak_bytes

@@ -46,7 +46,7 @@ _LR = 2e-3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--steps``, ``--baseline-steps``, ``--out``, ``--threads`` and ``--quiet``."""
     parser.add_argument(
-        "--steps", type=int, default=300, help="training steps of the memfit run (default 300)"
+        "--steps", type=int, default=250, help="training steps of the memfit run (default 250)"
     )
     parser.add_argument(
         "--baseline-steps", type=int, default=10, help="steps of the baseline, run side by side (default 10)"

@@ -22,10 +22,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +38,7 @@ import torch
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.check.guards import GuardConfig
-from memfit.checkpointing import checkpoint
+from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
@@ -47,7 +50,10 @@ from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.train.state import load_state, previous_path
 from memfit.train.trainer import Callback, Trainer
 
-__all__ = ["TrainRun", "resolve_resume", "train_from_config"]
+__all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
+
+#: ``Trainer.stop_reason`` after a Ctrl-C.
+INTERRUPTED = "interrupted (Ctrl-C)"
 
 #: Config keys a resumed run must share with the run it continues.
 _MUST_MATCH = (
@@ -140,8 +146,9 @@ def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
     if mode == "none":
         return "none"
     if mode.startswith("every:"):
-        checkpoint(model, mode="full", every=int(mode.split(":")[1]))
-        return f"full on every {mode.split(':')[1]}th block"
+        every = int(mode.split(":")[1])
+        checkpoint(model, mode="full", every=every)
+        return f"full on every {every} blocks ({', '.join(checkpointed_blocks(model))})"
     checkpoint(model, mode=mode)
     return mode
 
@@ -181,6 +188,26 @@ class _Echo(Callback):
                 f"step {metrics.step}/{self.total}  loss {metrics.loss:.4f}  val {metrics.val_loss:.4f}  "
                 f"{metrics.tokens_per_s:,.0f} tok/s"
             )
+
+
+@contextlib.contextmanager
+def _graceful_interrupt(trainer: Trainer, echo: Callable[[str], None]) -> Iterator[None]:
+    """The first Ctrl-C stops training after the current step (whose state is then saved);
+    a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _on_sigint(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, previous)
+        trainer.stop(INTERRUPTED)
+        echo("memfit train: stopping after this step and saving the training state (Ctrl-C again to abort)")
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _data(cfg: Config, spec: Any) -> tuple[Any, list[Any], str]:
@@ -281,12 +308,13 @@ def train_from_config(
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
         + f"{remaining} steps to {cfg.train.steps}"
     )
-    trainer.fit(
-        sampler,
-        remaining,
-        eval_fn=lambda _m: trainer.evaluate(val_batches),
-        eval_every=cfg.train.eval_every or None,
-    )
+    with _graceful_interrupt(trainer, echo):
+        trainer.fit(
+            sampler,
+            remaining,
+            eval_fn=lambda _m: trainer.evaluate(val_batches),
+            eval_every=cfg.train.eval_every or None,
+        )
     history = read_metrics(files["metrics"])
     settings = {
         "model": f"{cfg.model.name} ({n_params:,} parameters)",

@@ -158,7 +158,9 @@ class Trainer:
     # -- one step ---------------------------------------------------------------------
 
     def _track_this_step(self) -> bool:
-        steady = len(self.optimizer.state) > 0
+        # NOTE: steady state: optimizer state exists (Adam's moments are created lazily by the
+        # first step) or a step was taken (SGD without momentum has no state at all).
+        steady = self.step_count > 0 or len(self.optimizer.state) > 0
         if not steady or not self.track_memory:
             return False
         if self.memory is None:
