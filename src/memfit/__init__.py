@@ -13,18 +13,38 @@ Example:
 """
 
 from memfit.budget import format_bytes, parse_bytes
+from memfit.check.attribution import attribute
+from memfit.check.guards import Guard, GuardConfig
+from memfit.check.stability import check_stability
+from memfit.check.verdict import Thresholds
 from memfit.checkpointing import (
     checkpoint,
     checkpointed_blocks,
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, StateError, UnsupportedPrecision
+from memfit.errors import (
+    ConfigError,
+    InfeasibleBudget,
+    MemfitError,
+    NonFiniteLoss,
+    StateError,
+    UnsupportedPrecision,
+)
 from memfit.measure.bench import bench
 from memfit.measure.memory import measure
 from memfit.measure.strategies import Strategy
 from memfit.precision import Precision
-from memfit.records import BenchPoint, BlockStats, MemoryReport, Plan, Profile, StepMetrics
+from memfit.records import (
+    BenchPoint,
+    BlockStats,
+    MemoryReport,
+    NonFinite,
+    Plan,
+    Profile,
+    StabilityReport,
+    StepMetrics,
+)
 from memfit.train.build import ModelSpec
 from memfit.train.callbacks import Callback
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
@@ -39,20 +59,28 @@ __all__ = [
     "Callback",
     "ConfigError",
     "GPTConfig",
+    "Guard",
+    "GuardConfig",
     "InfeasibleBudget",
     "MemfitError",
     "MemoryReport",
     "ModelSpec",
+    "NonFinite",
+    "NonFiniteLoss",
     "Plan",
     "Precision",
     "Profile",
+    "StabilityReport",
     "StateError",
     "StepMetrics",
     "Strategy",
+    "Thresholds",
     "Trainer",
     "UnsupportedPrecision",
     "__version__",
+    "attribute",
     "bench",
+    "check_stability",
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",

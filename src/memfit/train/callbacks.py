@@ -127,6 +127,17 @@ class SaveState(Callback):
         trainer.save(self.path, data=self.data, extra=self.extra)
         self.saved_step = trainer.step_count
 
+    def save_last_good(self, trainer: Trainer) -> Path:
+        """Write the last good state as ``last-good.pt`` beside :attr:`path` (the guard calls
+        this before stopping on a non-finite loss); returns its path.
+
+        The data position is the one after the failed batch, so resuming from it skips
+        that batch; model, optimizer and step count are those before the failed step.
+        """
+        path = self.path.with_name("last-good.pt")
+        trainer.save(path, data=self.data, extra=self.extra)
+        return path
+
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
         """Save when the step number is a multiple of ``every``."""
         if self.every and trainer.step_count % self.every == 0:

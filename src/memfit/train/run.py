@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, parse_bytes
+from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
@@ -283,6 +284,7 @@ def train_from_config(
         clip_norm=cfg.optimizer.clip_norm or None,
         scheduler=_schedule(opt, cfg),
         progress=progress,
+        guard=GuardConfig(on_overflow=cfg.memory.on_overflow),
     )
     resumed_from = None
     if state_path is not None:
@@ -332,6 +334,7 @@ def train_from_config(
         notes.append(watch.verdict)
     if trainer.stop_reason:
         notes.append(f"stopped early: {trainer.stop_reason}")
+    notes += [f"guard, step {e.step}: {e.message}" for e in trainer.guard.events]
     files["report"].write_text(
         training_report("memfit train", history, trainer.memory, settings, notes), encoding="utf-8"
     )

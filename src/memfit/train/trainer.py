@@ -5,6 +5,10 @@ It composes the pieces and decides nothing: every step is :func:`memfit.step.tra
 ``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
 training state goes through :mod:`memfit.train.state`.
 
+Every step runs through a :class:`memfit.check.guards.Guard` (on by default, cheap): fp16
+loss-scaler warnings, a stop with the attribution and the last good state on disk when an
+fp32/bf16 loss is not finite, and the optional precision fallback.
+
 Trade-off: on a CPU, tracking a step's memory with MemTracker slows that step down, so
 the Trainer tracks the first steady-state step (optimizer state already created) and then
 every ``memory_every`` steps; on a GPU the allocator's peak is read on every step for free.
@@ -28,17 +32,19 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
 from memfit.measure.memory import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
-from memfit.step import Batch, LossFn, StepResult, training_step
+from memfit.step import Batch, LossFn, StepResult
 from memfit.train.callbacks import Callback
 from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
 
@@ -85,6 +91,12 @@ class Trainer:
             steady-state step; a GPU reports its allocator peak on every step anyway).
         track_memory: False turns MemTracker off entirely (a GPU still reports its
             allocator peak on every step).
+        guard: the overflow guard's settings (default :class:`memfit.GuardConfig`: on,
+            ``on_overflow="stop"``); ``GuardConfig(on_overflow="fallback")`` switches
+            precision instead of stopping where it can.
+        last_good_path: where the guard writes the last good training state before it
+            stops (default: next to a :class:`SaveState` callback's file as
+            ``last-good.pt``, else ``memfit-last-good.pt`` in the working directory).
 
     Raises:
         ConfigError: the arguments contradict the plan, or ``micro_batches < 1``.
@@ -105,6 +117,8 @@ class Trainer:
         progress: bool | None = None,
         memory_every: int = 0,
         track_memory: bool = True,
+        guard: GuardConfig | None = None,
+        last_good_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -136,6 +150,10 @@ class Trainer:
         self.stop_reason: str | None = None
         self.fit_completed = True
         """False while the last :meth:`fit` is ended by an exception (e.g. Ctrl-C)."""
+        self.guard = Guard(guard or GuardConfig(), save_state=self._save_last_good)
+        """The overflow guard; ``trainer.guard.events`` lists what it saw and did."""
+        self.last_good_path = Path(last_good_path) if last_good_path is not None else None
+        self._data: Any | None = None
 
     # -- one step ---------------------------------------------------------------------
 
@@ -149,12 +167,34 @@ class Trainer:
             return True
         return self.memory_every > 0 and (self.step_count + 1) % self.memory_every == 0
 
+    def _guarded_step(self, batch: Batch) -> StepResult:
+        result, self.precision = self.guard.step(
+            self.model,
+            batch,
+            self.loss_fn,
+            self.optimizer,
+            self.precision,
+            self.step_count + 1,
+            self.micro_batches,
+            self.clip_norm,
+        )
+        return result
+
+    def _save_last_good(self) -> Path:
+        """Write the state before the failing step (weights are not yet updated by it)."""
+        for callback in self.callbacks:
+            saver = getattr(callback, "save_last_good", None)
+            if callable(saver):
+                return Path(saver(self))
+        path = self.last_good_path or Path("memfit-last-good.pt")
+        self.save(path, data=self._data)
+        return path
+
     def _run(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
         """Run the step; return its result, its peak bytes (if known) and whether MemTracker watched."""
-        args = (self.model, batch, self.loss_fn, self.optimizer, self.precision, self.micro_batches)
         if self._track_this_step():
             with MemoryWatch(self.model, self.optimizer) as watch:
-                result = training_step(*args, clip_norm=self.clip_norm)
+                result = self._guarded_step(batch)
             self.memory = MemoryReport(
                 peak_bytes=watch.peak_bytes,
                 breakdown=dict(watch.breakdown),
@@ -165,9 +205,9 @@ class Trainer:
             return result, watch.peak_bytes, True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            result = training_step(*args, clip_norm=self.clip_norm)
+            result = self._guarded_step(batch)
             return result, int(torch.cuda.max_memory_allocated(self.device)), False
-        return training_step(*args, clip_norm=self.clip_norm), None, False
+        return self._guarded_step(batch), None, False
 
     def step(self, batch: Batch, eval_fn: Callable[[nn.Module], float] | None = None) -> StepMetrics:
         """Run one optimizer step on ``batch`` and return what it did.
@@ -276,6 +316,7 @@ class Trainer:
             raise ConfigError(f"steps must be 0 or more, got {steps}.")
         self.stop_reason = None
         done: list[StepMetrics] = []
+        self._data = batches if callable(getattr(batches, "state_dict", None)) else None
         iterator = iter(batches)
         for callback in self.callbacks:
             callback.on_fit_start(self)
