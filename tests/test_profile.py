@@ -10,6 +10,7 @@ from torch import nn
 import memfit
 from memfit.checkpointing import checkpointed_blocks, set_block_modes
 from memfit.errors import ConfigError
+from memfit.measure.stepmodel import step_peak
 from memfit.records import CHECKPOINT_MODES, Profile
 from memfit.train.gpt import gpt_loss
 
@@ -18,22 +19,8 @@ ADD_UP_RTOL = 0.05
 
 
 def simulate_peak(prof: Profile, modes: list[str]) -> int:
-    """The step peak from the profile's numbers, exactly as Profile's docstring says."""
-    fixed = prof.param_bytes + prof.optimizer_bytes
-    saved = [b.saved_bytes[m] for b, m in zip(prof.blocks, modes, strict=True)]
-    n = len(prof.blocks)
-    kept_all = sum(saved)
-    candidates = [fixed + prof.grad_bytes + prof.optimizer_temp_bytes]
-    out_mode = modes[0] if modes else "none"
-    candidates.append(fixed + kept_all + prof.outside.forward_peak_bytes[out_mode])
-    candidates.append(fixed + kept_all + prof.outside.backward_peak_bytes[out_mode])
-    for i, (b, m) in enumerate(zip(prof.blocks, modes, strict=True)):
-        candidates.append(fixed + prof.outside_before_bytes + sum(saved[:i]) + b.forward_peak_bytes[m])
-        later = prof.early_grad_bytes + sum(prof.blocks[j].grad_bytes for j in range(i + 1, n))
-        candidates.append(
-            fixed + later + prof.outside_before_bytes + sum(saved[: i + 1]) + b.backward_peak_bytes[m]
-        )
-    return max(candidates)
+    """The step peak from the profile's numbers (Profile's docstring formula)."""
+    return step_peak(prof, {b.name: m for b, m in zip(prof.blocks, modes, strict=True)})[0]
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from memfit.errors import ConfigError
 from memfit.measure.batchcheck import batch_errors
 from memfit.measure.phases import StepMemory, _PhaseTracker, grad_bytes_of, phased_step
 from memfit.measure.profile import profile_from_memory
+from memfit.measure.stepmodel import step_peak
 from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, CHECKPOINT_MODES, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
@@ -120,33 +121,6 @@ def _outputs_keep_shape(model: nn.Module, name: str, batch: Batch, loss_fn: Loss
     finally:
         handle.remove()
     return bool(seen) and all(seen)
-
-
-def _uniform(prof: Profile, n: int, mode: str) -> tuple[int, dict[str, int]]:
-    """Peak and breakdown of ``n`` copies of ``prof.blocks[-1]`` in ``mode`` (Profile's formula)."""
-    b, out = prof.blocks[-1], prof.outside
-    fixed = {"params": prof.param_bytes, "optimizer": prof.optimizer_bytes}
-    saved, before = b.saved_bytes[mode], prof.outside_before_bytes
-    cands: list[dict[str, int]] = [
-        {"grads": prof.grad_bytes, "activations": 0, "temporaries": prof.optimizer_temp_bytes},
-        {"grads": 0, "activations": n * saved, "temporaries": out.forward_peak_bytes[mode]},
-        {"grads": 0, "activations": n * saved, "temporaries": out.backward_peak_bytes[mode]},
-    ]
-    for i in range(n):
-        cands.append(
-            {"grads": 0, "activations": before + i * saved, "temporaries": b.forward_peak_bytes[mode]}
-        )
-        grads = prof.early_grad_bytes + (n - 1 - i) * b.grad_bytes
-        cands.append(
-            {
-                "grads": grads,
-                "activations": before + (i + 1) * saved,
-                "temporaries": b.backward_peak_bytes[mode],
-            }
-        )
-    best = max(cands, key=lambda c: sum(c.values()))
-    parts = {**fixed, **best}
-    return sum(parts.values()), {k: parts[k] for k in BREAKDOWN_KEYS}
 
 
 def _fast_profiles(
@@ -275,6 +249,10 @@ def estimate(
     blocks = find_blocks(model)
     if not blocks:
         modes = ["none"]
+    # NOTE: fp16 and bf16 have the same element size and autocast casts the same ops to
+    # either, so their memory is the same (loss scaling aside): fp16 is not run again.
+    derived = "fp16" in precisions and "bf16" in precisions
+    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
     entries: list[EstimateEntry] = []
     with fake:
         model.train()
@@ -287,19 +265,24 @@ def estimate(
             )
         if fast:
             profiles = _fast_profiles(
-                model, fake_batch, loss_fn, optimizer, blocks, precisions, modes, device
+                model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device
             )
-            for precision in precisions:
+            for precision in run_precisions:
                 for mode in modes:
-                    peak, parts = _uniform(profiles[precision], len(blocks), mode)
+                    peak, parts = step_peak(profiles[precision], mode)
                     acts = profiles[precision].outside.saved_bytes[mode] + sum(
                         b.saved_bytes[mode] for b in profiles[precision].blocks
                     )
                     entries.append(EstimateEntry(precision, mode, peak, parts, acts))
         else:
             profiles = _direct(
-                model, fake_batch, loss_fn, optimizer, blocks, precisions, modes, device, entries
+                model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device, entries
             )
+        if derived:
+            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
+            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
+        rank = {p: i for i, p in enumerate(precisions)}
+        entries.sort(key=lambda e: rank[e.precision])
     return Estimate(
         model=type(model).__name__,
         param_count=sum(p.numel() for p in model.parameters()),
@@ -308,7 +291,7 @@ def estimate(
         optimizer=type(optimizer).__name__ if optimizer is not None else "none",
         entries=entries,
         device_memory=memory,
-        assumptions=_assumptions(device, optimizer, blocks, fast),
+        assumptions=_assumptions(device, optimizer, blocks, fast, derived),
         profiles=profiles,
         seconds=time.perf_counter() - started,
     )
@@ -349,7 +332,9 @@ def _direct(
     return profiles
 
 
-def _assumptions(device: torch.device, optimizer: Any, blocks: list[str], fast: bool) -> list[str]:
+def _assumptions(
+    device: torch.device, optimizer: Any, blocks: list[str], fast: bool, derived: bool
+) -> list[str]:
     out = [
         f"Counts are PyTorch's MemTracker bytes for the {device.type.upper()} kernels of this "
         "machine (e.g. its attention kernel); a GPU adds allocator rounding, cuBLAS/cuDNN "
@@ -365,6 +350,11 @@ def _assumptions(device: torch.device, optimizer: Any, blocks: list[str], fast: 
         out.append(f"Optimizer: {type(optimizer).__name__} with {state} per parameter, as configured.")
     else:
         out.append("No optimizer: forward and backward only.")
+    if derived:
+        out.append(
+            "fp16 has bf16's element size and autocast op lists, so its numbers are bf16's "
+            "(fp16 was not run separately)."
+        )
     if fast:
         out.append(
             f"The {len(blocks)} blocks are identical: two ran, the rest passed their input "
