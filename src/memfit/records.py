@@ -275,7 +275,8 @@ class Estimate(Record):
     """Bytes available on the target device, if given."""
     assumptions: list[str] = field(default_factory=list)
     profiles: dict[str, Profile] = field(default_factory=dict)
-    """Per precision, the memory part of a :class:`Profile` (for planning without running)."""
+    """Per precision, the memory numbers of a :class:`Profile` (times and FLOPs are 0), for
+    planning a model too large to run; ``measured_peak_bytes`` is 0 (nothing was measured)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
 

@@ -158,6 +158,7 @@ def _fast_profiles(
             short.blocks = [dataclasses.replace(rep, name=b) for b in blocks]
             short.param_bytes = _param_bytes(model)
             short.grad_bytes = grad_bytes_of(model)
+            short.outside.param_bytes = short.param_bytes - sum(b.param_bytes for b in short.blocks)
             profiles[precision] = short
     finally:
         _set_skipped(model, blocks[2:], False)
