@@ -154,10 +154,13 @@ def profile_from_memory(
         module = model.get_submodule(name)
         st = BlockStats(name=name, param_bytes=_param_bytes(module), grad_bytes=grad_bytes_of(module))
         for mode in modes:
-            b = memory[mode].blocks[i]
-            st.saved_bytes[mode] = b.forward_end - b.forward_start
+            mem = memory[mode]
+            b = mem.blocks[i]
+            kept = mem.start + mem.outside_before_kept + sum(mem.saved[n] for n in blocks[: i + 1])
+            st.saved_bytes[mode] = mem.saved[name]
+            st.held_bytes[mode] = b.forward_end - b.forward_start
             st.forward_peak_bytes[mode] = b.forward_peak - b.forward_start
-            st.backward_peak_bytes[mode] = b.backward_peak - b.forward_end - b.backward_grads
+            st.backward_peak_bytes[mode] = b.backward_peak - b.backward_grads - kept
         stats.append(st)
     block_params = sum(s.param_bytes for s in stats)
     outside = BlockStats(
@@ -182,6 +185,7 @@ def profile_from_memory(
         optimizer_bytes=base.start_parts["optimizer"],
         optimizer_temp_bytes=max(0, base.phase_peaks.get("optimizer", 0) - base.backward_end),
         outside_before_bytes=first,
+        outside_before_kept_bytes=base.outside_before_kept,
         early_grad_bytes=base.early_grads,
         activation_bytes=base.forward_end - base.start,
     )
