@@ -79,3 +79,14 @@ def test_profile_of_a_model_without_blocks_warns(capsys: pytest.CaptureFixture[s
     assert code == 0
     prof = Profile.from_dict(json.loads(capsys.readouterr().out))
     assert prof.blocks == [] and prof.outside.saved_bytes["none"] > 0
+
+
+def test_verdict_names_what_does_not_fit() -> None:
+    from memfit.records import EstimateEntry
+    from memfit.report.memory_tables import verdict_line
+
+    parts = {"params": 40, "grads": 40, "optimizer": 80, "activations": 30, "temporaries": 10}
+    big = EstimateEntry("bf16", "full", 200, parts)
+    assert "optimizer state alone take 160 B" in verdict_line([big], 100)
+    assert verdict_line([big], 180).endswith("20 B more; use a smaller batch or shorter sequences.")
+    assert verdict_line([big], 200).startswith("fits in 200 B: bf16 with full checkpointing")
