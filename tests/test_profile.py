@@ -55,6 +55,7 @@ def test_checkpointing_saves_what_it_should(gpt_case) -> None:  # type: ignore[n
         assert b.grad_bytes == b.param_bytes
     assert prof.optimizer_bytes == 2 * prof.param_bytes + 4 * len(list(gpt_case[0].parameters()))
     assert prof.grad_bytes == prof.param_bytes
+    assert prof.optimizer_bytes_by_dtype == {"float32": prof.optimizer_bytes}
 
 
 @pytest.mark.parametrize("modes", [None, ["full", "none", "selective"], ["none", "full", "full"]])

@@ -229,6 +229,8 @@ class Profile(Record):
     """Activation total at the end of the forward with no checkpointing (blocks + outside)."""
     notes: list[str] = field(default_factory=list)
     """Caveats found while profiling (no blocks found, ops without FLOP formulas, ...)."""
+    optimizer_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    """The optimizer state split by dtype, e.g. ``{"float32": ...}`` (step counters included)."""
 
 
 @dataclass

@@ -42,7 +42,13 @@ from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measure.batchcheck import batch_errors
-from memfit.measure.phases import StepMemory, _PhaseTracker, grad_bytes_of, phased_step
+from memfit.measure.phases import (
+    StepMemory,
+    _PhaseTracker,
+    grad_bytes_of,
+    optimizer_state_bytes,
+    phased_step,
+)
 from memfit.measure.profile import profile_from_memory
 from memfit.measure.stepmodel import step_peak
 from memfit.precision import Precision
@@ -288,6 +294,10 @@ def estimate(
             entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
         rank = {p: i for i, p in enumerate(precisions)}
         entries.sort(key=lambda e: rank[e.precision])
+    by_dtype = optimizer_state_bytes(optimizer)
+    for prof in profiles.values():
+        prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = dict(by_dtype)
     return Estimate(
         model=type(model).__name__,
         param_count=sum(p.numel() for p in model.parameters()),

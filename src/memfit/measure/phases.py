@@ -38,7 +38,7 @@ from memfit.measure.memory import _device_of, _parts
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, training_step
 
-__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "phased_step"]
+__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "optimizer_state_bytes", "phased_step"]
 
 PHASES = ("forward", "backward", "optimizer")
 _BEFORE, _AFTER = "<outside before>", "<outside after>"
@@ -96,6 +96,19 @@ class StepMemory:
     outside_before_kept: int = 0
     """Bytes alive when the forward ends that were not created by a block nor by the outside
     after the last block (embedding outputs, the input batch)."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of the optimizer's state tensors by dtype name (``{"float32": ...}``)."""
+    out: dict[str, int] = {}
+    if optimizer is None:
+        return out
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                key = str(value.dtype).removeprefix("torch.")
+                out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out
 
 
 def grad_bytes_of(module: nn.Module) -> int:

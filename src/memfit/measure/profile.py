@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.measure.batchcheck import checked_step, tensor_bytes
 from memfit.measure.memory import _device_of, measure
-from memfit.measure.phases import StepMemory, grad_bytes_of, phased_step
+from memfit.measure.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
 from memfit.measure.state import preserved
 from memfit.precision import Precision, as_precision
 from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
@@ -248,6 +248,7 @@ def profile(
             model.train()
             uncheckpoint(model)
             checked_step(model, batch, loss_fn, optimizer, prec)
+            by_dtype = optimizer_state_bytes(optimizer)
             fw_flops = _flops(model, batch, loss_fn, prec, grad=False)
             for mode in modes:
                 if blocks:
@@ -283,6 +284,7 @@ def profile(
         bw_blocks = sum(b.backward_seconds[mode] for b in prof.blocks)
         out.backward_seconds[mode] = max(0.0, times[mode][1][_BACKWARD] - bw_blocks)
     prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+    prof.optimizer_bytes_by_dtype = by_dtype
     prof.input_bytes = tensor_bytes(batch)
     prof.measured_peak_bytes = base.peak_bytes
     prof.step_seconds = base.step_seconds
