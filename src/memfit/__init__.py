@@ -32,12 +32,16 @@ from memfit.errors import (
     UnsupportedPrecision,
 )
 from memfit.measure.bench import bench
+from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
+from memfit.measure.profile import profile
 from memfit.measure.strategies import Strategy
 from memfit.precision import Precision
 from memfit.records import (
     BenchPoint,
     BlockStats,
+    Estimate,
+    EstimateEntry,
     MemoryReport,
     NonFinite,
     Plan,
@@ -58,6 +62,8 @@ __all__ = [
     "BlockStats",
     "Callback",
     "ConfigError",
+    "Estimate",
+    "EstimateEntry",
     "GPTConfig",
     "Guard",
     "GuardConfig",
@@ -83,10 +89,12 @@ __all__ = [
     "check_stability",
     "checkpoint",
     "checkpointed_blocks",
+    "estimate",
     "find_blocks",
     "format_bytes",
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "profile",
     "uncheckpoint",
 ]
