@@ -20,9 +20,11 @@ from memfit.checkpointing import (
     uncheckpoint,
 )
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
+from memfit.measure.profile import profile
 from memfit.precision import Precision
-from memfit.records import BlockStats, MemoryReport, Plan, Profile
+from memfit.records import BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
@@ -32,6 +34,8 @@ __all__ = [
     "GPT",
     "BlockStats",
     "ConfigError",
+    "Estimate",
+    "EstimateEntry",
     "GPTConfig",
     "InfeasibleBudget",
     "MemfitError",
@@ -44,10 +48,12 @@ __all__ = [
     "__version__",
     "checkpoint",
     "checkpointed_blocks",
+    "estimate",
     "find_blocks",
     "format_bytes",
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "profile",
     "uncheckpoint",
 ]

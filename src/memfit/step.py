@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.precision import Precision
 
@@ -40,6 +41,13 @@ def _tensors(batch: Batch) -> Sequence[torch.Tensor]:
     raise TypeError("a batch must be a tensor or a tuple of tensors")
 
 
+def _value(loss: torch.Tensor) -> float:
+    """The loss as a float; NaN for fake or meta tensors, which hold no values."""
+    if isinstance(loss, FakeTensor) or loss.device.type == "meta":
+        return float("nan")
+    return float(loss.detach())
+
+
 def batch_size(batch: Batch) -> int:
     """The first dimension of the batch's tensors."""
     return int(_tensors(batch)[0].shape[0])
@@ -64,11 +72,15 @@ def training_step(
     micro_batches: int = 1,
     clip_norm: float | None = None,
     after_forward: Callable[[], None] | None = None,
+    after_backward: Callable[[], None] | None = None,
 ) -> StepResult:
     """Run one step; the loss is the batch mean however many micro-batches it is split into.
 
     ``after_forward`` is called once, when the first micro-batch's loss is ready (measuring
-    uses it to read the memory the forward pass keeps).
+    uses it to read the memory the forward pass keeps). ``after_backward`` is called once,
+    after the last backward and before clipping and the optimizer step (profiling uses it
+    to split the step into phases). Under fake tensors (estimating) the loss has no value:
+    ``StepResult.loss`` is then NaN.
     """
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -85,7 +97,9 @@ def training_step(
             after_forward()
         weight = batch_size(part) / total
         scaler.scale(loss * weight if len(parts) > 1 else loss).backward()
-        loss_sum += float(loss.detach()) * weight
+        loss_sum += _value(loss) * weight
+    if after_backward is not None:
+        after_backward()
     grad_norm = None
     if clip_norm is not None and optimizer is not None:
         scaler.unscale_(optimizer)

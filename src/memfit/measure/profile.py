@@ -1,0 +1,292 @@
+"""Per-block profile of one training step: memory, time and FLOPs under each checkpointing mode.
+
+The planner needs to know, for every block, what checkpointing it saves and what it costs.
+:func:`profile` runs one tracked step per mode (every block in that mode), reads the
+per-block memory from MemTracker (:mod:`memfit.measure.phases`), times each block's forward
+and backward with PyTorch's ``ModTracker`` hooks, and counts FLOPs with ``FlopCounterMode``.
+
+Trade-off: profiling runs about ``3 * (2 + repeats)`` steps plus a :func:`memfit.measure`,
+so it costs seconds on small models; the result is a plain record that can be saved and
+planned over without running the model again.
+
+Example:
+    >>> import torch
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> prof = profile(model, (x, x), gpt_loss, repeats=1)
+    >>> [b.name for b in prof.blocks]
+    ['blocks.0', 'blocks.1']
+    >>> prof.blocks[0].saved_bytes["full"] < prof.blocks[0].saved_bytes["none"]
+    True
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections import defaultdict
+
+import torch
+from torch import nn
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils.flop_counter import FlopCounterMode
+
+from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
+from memfit.measure.batchcheck import checked_step, tensor_bytes
+from memfit.measure.memory import _device_of, measure
+from memfit.measure.phases import StepMemory, grad_bytes_of, phased_step
+from memfit.measure.state import preserved
+from memfit.precision import Precision, as_precision
+from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
+from memfit.step import Batch, LossFn, batch_size, training_step
+
+__all__ = ["profile", "profile_from_memory"]
+
+_FORWARD, _BACKWARD = "<forward>", "<backward>"
+
+
+def _param_bytes(module: nn.Module) -> int:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _block_times(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    precision: Precision,
+    blocks: list[str],
+    repeats: int,
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median forward and backward seconds of each block over ``repeats`` steps.
+
+    The whole forward and backward are reported under the keys ``_FORWARD``/``_BACKWARD``.
+    """
+    device = _device_of(model)
+    names = {id(model.get_submodule(b)): b for b in blocks}
+    tracker = ModTracker()
+    starts: dict[tuple[str, str], float] = {}
+    fw: dict[str, list[float]] = defaultdict(list)
+    bw: dict[str, list[float]] = defaultdict(list)
+
+    def _mark(module: nn.Module | None, kind: str, end: bool) -> None:
+        name = names.get(id(module)) if module is not None else None
+        if name is None or (kind == "f" and tracker.is_bw):
+            return
+        _sync(device)
+        now = time.perf_counter()
+        if not end:
+            starts[(kind, name)] = now
+        elif (kind, name) in starts:
+            (fw if kind == "f" else bw)[name].append(now - starts.pop((kind, name)))
+
+    steps: dict[str, list[float]] = defaultdict(list)
+    marks: dict[str, float] = {}
+
+    def _phase(name: str) -> None:
+        _sync(device)
+        now = time.perf_counter()
+        steps[name].append(now - marks["last"])
+        marks["last"] = now
+
+    tracker.register_user_hooks(
+        lambda m, i: _mark(m, "f", False),
+        lambda m, i, o: _mark(m, "f", True),
+        lambda m, g: _mark(m, "b", False),
+        lambda m, g: _mark(m, "b", True),
+    )
+    with tracker:
+        for _ in range(repeats):
+            _sync(device)
+            marks["last"] = time.perf_counter()
+            training_step(
+                model,
+                batch,
+                loss_fn,
+                None,
+                precision,
+                after_forward=lambda: _phase(_FORWARD),
+                after_backward=lambda: _phase(_BACKWARD),
+            )
+    med_fw = {k: statistics.median(v) for k, v in fw.items()}
+    med_bw = {k: statistics.median(v) for k, v in bw.items()}
+    med_fw[_FORWARD] = statistics.median(steps[_FORWARD])
+    med_bw[_BACKWARD] = statistics.median(steps[_BACKWARD])
+    return med_fw, med_bw
+
+
+def _flops(
+    model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision, grad: bool
+) -> dict[str, int]:
+    """FLOPs per module name (ModuleTracker names: ``<RootClass>.<qualified name>``)."""
+    counter = FlopCounterMode(display=False)
+    with counter:
+        if grad:
+            training_step(model, batch, loss_fn, None, precision)
+        else:
+            with torch.no_grad(), precision.autocast():
+                loss_fn(model, batch)
+    return {k: int(sum(v.values())) for k, v in counter.get_flop_counts().items()}
+
+
+def profile_from_memory(
+    model: nn.Module,
+    blocks: list[str],
+    memory: dict[str, StepMemory],
+    precision: str,
+    batch_size: int,
+) -> Profile:
+    """Turn one :class:`StepMemory` per mode into a :class:`Profile` (memory fields only).
+
+    Shared by :func:`profile` (real tensors) and :func:`memfit.estimate` (fake tensors).
+    """
+    modes = list(memory)
+    base = memory["none"] if "none" in memory else memory[modes[0]]
+    stats: list[BlockStats] = []
+    for i, name in enumerate(blocks):
+        module = model.get_submodule(name)
+        st = BlockStats(name=name, param_bytes=_param_bytes(module), grad_bytes=grad_bytes_of(module))
+        for mode in modes:
+            b = memory[mode].blocks[i]
+            st.saved_bytes[mode] = b.forward_end - b.forward_start
+            st.forward_peak_bytes[mode] = b.forward_peak - b.forward_start
+            st.backward_peak_bytes[mode] = b.backward_peak - b.forward_end - b.backward_grads
+        stats.append(st)
+    block_params = sum(s.param_bytes for s in stats)
+    outside = BlockStats(
+        name="outside",
+        param_bytes=base.start_parts["params"] - block_params,
+        grad_bytes=_grads_total(base) - sum(s.grad_bytes for s in stats),
+    )
+    for mode in modes:
+        mem = memory[mode]
+        outside.saved_bytes[mode] = mem.forward_end - mem.start - sum(s.saved_bytes[mode] for s in stats)
+        outside.forward_peak_bytes[mode] = mem.outside_forward_peak
+        outside.backward_peak_bytes[mode] = mem.outside_backward_peak
+    first = base.blocks[0].forward_start - base.start if blocks else 0
+    return Profile(
+        precision=precision,
+        device=str(_device_of(model)),
+        batch_size=batch_size,
+        blocks=stats,
+        outside=outside,
+        param_bytes=base.start_parts["params"],
+        grad_bytes=_grads_total(base),
+        optimizer_bytes=base.start_parts["optimizer"],
+        optimizer_temp_bytes=max(0, base.phase_peaks.get("optimizer", 0) - base.backward_end),
+        outside_before_bytes=first,
+        early_grad_bytes=base.early_grads,
+        activation_bytes=base.forward_end - base.start,
+    )
+
+
+def _grads_total(mem: StepMemory) -> int:
+    return int(mem.phase_breakdowns.get("optimizer", {}).get("grads", 0))
+
+
+def profile(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | Precision = "fp32",
+    repeats: int = 3,
+) -> Profile:
+    """Profile each block's memory, time and FLOPs under none, selective and full checkpointing.
+
+    Every number for mode ``m`` comes from a step with every block in mode ``m``; the
+    model's own checkpointing, weights, gradients, optimizer state and RNG are restored
+    afterwards. A model without repeated blocks is profiled as one part (``outside``),
+    with a warning.
+
+    Args:
+        model: the model, on its device.
+        batch: a tensor or tuple of tensors whose first dimension is the batch.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        optimizer: its state and step are part of the step (None: forward and backward only).
+        precision: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"auto"`` or a Precision.
+        repeats: timed steps per mode; medians are reported.
+
+    Returns:
+        A :class:`memfit.Profile` (see its docstring for what each number means).
+
+    Raises:
+        ConfigError: the batch does not fit the model (one step on it fails).
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    device = _device_of(model)
+    prec = as_precision(precision, device=device)
+    blocks = find_blocks(model)
+    notes: list[str] = []
+    if not blocks:
+        msg = (
+            f"{type(model).__name__} has no repeated blocks (find_blocks found none); it is "
+            "profiled as one part, 'outside', and checkpointing cannot be planned for it."
+        )
+        warnings.warn(msg, stacklevel=2)
+        notes.append(msg)
+    original = checkpointed_blocks(model)
+    scaler_state = prec.scaler.state_dict()
+    memory: dict[str, StepMemory] = {}
+    totals: dict[str, dict[str, int]] = {}
+    times: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+    modes = CHECKPOINT_MODES if blocks else ("none",)
+    try:
+        with preserved(model, optimizer):
+            model.train()
+            uncheckpoint(model)
+            checked_step(model, batch, loss_fn, optimizer, prec)
+            fw_flops = _flops(model, batch, loss_fn, prec, grad=False)
+            for mode in modes:
+                if blocks:
+                    set_block_modes(model, {b: mode for b in blocks})
+                memory[mode] = phased_step(model, batch, loss_fn, optimizer, prec, blocks)
+                totals[mode] = _flops(model, batch, loss_fn, prec, grad=True)
+                times[mode] = _block_times(model, batch, loss_fn, prec, blocks, repeats)
+            uncheckpoint(model)
+            base = measure(model, batch, loss_fn, optimizer, prec, steps=repeats)
+    finally:
+        uncheckpoint(model)
+        if original:
+            set_block_modes(model, original)
+        if scaler_state:
+            prec.scaler.load_state_dict(scaler_state)
+    prof = profile_from_memory(model, blocks, memory, prec.mode, batch_size(batch))
+    root = type(model).__name__
+    fw_blocks = 0
+    for st in prof.blocks:
+        key = f"{root}.{st.name}"
+        st.forward_flops = fw_flops.get(key, 0)
+        fw_blocks += st.forward_flops
+        st.forward_seconds = times["none"][0].get(st.name, 0.0)
+        for mode in modes:
+            st.backward_flops[mode] = totals[mode].get(key, 0) - st.forward_flops
+            st.backward_seconds[mode] = times[mode][1].get(st.name, 0.0)
+    out = prof.outside
+    out.forward_flops = fw_flops.get("Global", 0) - fw_blocks
+    out.forward_seconds = max(0.0, times["none"][0][_FORWARD] - sum(b.forward_seconds for b in prof.blocks))
+    for mode in modes:
+        blocks_total = sum(totals[mode].get(f"{root}.{st.name}", 0) for st in prof.blocks)
+        out.backward_flops[mode] = totals[mode].get("Global", 0) - blocks_total - out.forward_flops
+        bw_blocks = sum(b.backward_seconds[mode] for b in prof.blocks)
+        out.backward_seconds[mode] = max(0.0, times[mode][1][_BACKWARD] - bw_blocks)
+    prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+    prof.input_bytes = tensor_bytes(batch)
+    prof.measured_peak_bytes = base.peak_bytes
+    prof.step_seconds = base.step_seconds
+    prof.notes = notes + _flop_notes(device)
+    return prof
+
+
+def _flop_notes(device: torch.device) -> list[str]:
+    if device.type == "cpu":
+        return ["FlopCounterMode has no formula for the CPU attention kernel; its FLOPs count as 0."]
+    return []
