@@ -100,7 +100,7 @@ class WideBlock(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
-class UnevenMLP(nn.Module):
+class VariedMLP(nn.Module):
     """Residual blocks of very different sizes (hidden widths 16 to 512)."""
 
     def __init__(self, width: int = 32, hidden: tuple[int, ...] = (16, 512, 64, 256, 32, 128)) -> None:

@@ -23,6 +23,7 @@ from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, Unsupporte
 from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
 from memfit.measure.profile import profile
+from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
 from memfit.records import BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile
 from memfit.train.build import ModelSpec
@@ -46,6 +47,7 @@ __all__ = [
     "Profile",
     "UnsupportedPrecision",
     "__version__",
+    "apply",
     "checkpoint",
     "checkpointed_blocks",
     "estimate",
@@ -54,6 +56,7 @@ __all__ = [
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "plan",
     "profile",
     "uncheckpoint",
 ]

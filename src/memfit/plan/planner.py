@@ -191,8 +191,7 @@ def plan(
     """
     device = _device(model)
     wanted = _candidates(precision, device)
-    if isinstance(budget, str) and not budget.strip().endswith("%"):
-        parse_bytes(budget)  # refuse a bad budget before any profiling
+    parse_bytes(budget, reference=2**50)  # refuse a bad budget before any profiling
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
@@ -212,11 +211,23 @@ def plan(
         if check:
             result = _checked(model, batch, loss_fn, optimizer, profs, result)
         result.budget_bytes = budget_bytes
+        result.notes = _notes(model, result)
         return result
     finally:
         uncheckpoint(model)
         if before:
             set_block_modes(model, before)
+
+
+def _notes(model: nn.Module, result: Plan) -> list[str]:
+    notes = []
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if result.micro_batches > 1 and norms:
+        notes.append(
+            f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
+            f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
+        )
+    return notes
 
 
 def _checked(

@@ -151,7 +151,9 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
     """
     s = micro_batch_scale(profile.batch_size, micro_batches)
     out = profile.outside
-    fixed = profile.param_bytes + profile.optimizer_bytes
+    # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
+    # step; MemTracker then counts their whole storage, for the rest of the step.
+    fixed = profile.param_bytes + profile.optimizer_bytes + (profile.input_bytes if micro_batches > 1 else 0)
     before = _scaled(profile.outside_before_bytes, s, profile.input_bytes)
     early = profile.early_grad_bytes
     # NOTE: the outside's numbers were measured with every block in one mode; they barely
