@@ -20,12 +20,14 @@ from memfit.checkpointing import (
     uncheckpoint,
 )
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.measure.bench import bench
 from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
 from memfit.measure.profile import profile
+from memfit.measure.strategies import Strategy
 from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
-from memfit.records import BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile
+from memfit.records import BenchPoint, BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile
 from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
@@ -33,6 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT",
+    "BenchPoint",
     "BlockStats",
     "ConfigError",
     "Estimate",
@@ -45,9 +48,11 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "Strategy",
     "UnsupportedPrecision",
     "__version__",
     "apply",
+    "bench",
     "checkpoint",
     "checkpointed_blocks",
     "estimate",

@@ -74,16 +74,21 @@ def tracked_step(
     def _after_forward() -> None:
         after.append(_parts(tracker.get_tracker_snapshot("current").get(device, {})))
 
+    calls = [0]
+
+    def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
+        # NOTE: MemTracker refuses a second forward of the root module in one tracked
+        # region; each micro-batch after the first starts with fresh per-module stats
+        # (the device-wide peak and the current snapshot are kept).
+        if calls[0]:
+            tracker.reset_mod_stats()
+        calls[0] += 1
+        return loss_fn(m, part)
+
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-
-    def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
-        # NOTE: MemTracker refuses a second forward of the root module in one tracked region;
-        # with micro-batches, its per-module stats (not the peak) are cleared before each.
-        tracker.reset_mod_stats()
-        return loss_fn(m, part)
 
     with tracker:
         training_step(model, batch, _loss, optimizer, precision, micro_batches, after_forward=_after_forward)
