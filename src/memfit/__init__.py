@@ -6,6 +6,8 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.callbacks import Callback
+from memfit.train.trainer import Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -19,7 +21,7 @@ from memfit.checkpointing import (
     find_blocks,
     uncheckpoint,
 )
-from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, UnsupportedPrecision
+from memfit.errors import ConfigError, InfeasibleBudget, MemfitError, StateError, UnsupportedPrecision
 from memfit.measure.bench import bench
 from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
@@ -27,9 +29,20 @@ from memfit.measure.profile import profile
 from memfit.measure.strategies import Strategy
 from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
-from memfit.records import BenchPoint, BlockStats, Estimate, EstimateEntry, MemoryReport, Plan, Profile
+from memfit.records import (
+    BenchPoint,
+    BlockStats,
+    Estimate,
+    EstimateEntry,
+    MemoryReport,
+    Plan,
+    Profile,
+    StepMetrics,
+)
 from memfit.train.build import ModelSpec
+from memfit.train.callbacks import Callback
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -37,6 +50,7 @@ __all__ = [
     "GPT",
     "BenchPoint",
     "BlockStats",
+    "Callback",
     "ConfigError",
     "Estimate",
     "EstimateEntry",
@@ -48,7 +62,10 @@ __all__ = [
     "Plan",
     "Precision",
     "Profile",
+    "StateError",
+    "StepMetrics",
     "Strategy",
+    "Trainer",
     "UnsupportedPrecision",
     "__version__",
     "apply",

@@ -26,6 +26,7 @@ from typing import Any
 
 import tomllib
 
+from memfit.budget import parse_bytes
 from memfit.errors import ConfigError
 
 __all__ = [
@@ -87,6 +88,10 @@ class OptimizerConfig:
     """Adam's epsilon."""
     clip_norm: float = 1.0
     """Clip the gradient norm to this (0 turns clipping off)."""
+    schedule: str = "constant"
+    """Learning-rate schedule after warm-up: ``"constant"`` or ``"cosine"`` (to 10% of lr)."""
+    warmup_steps: int = 0
+    """Steps of linear learning-rate warm-up from 0."""
 
 
 @dataclass(kw_only=True)
@@ -170,6 +175,10 @@ def _validate(cfg: Config) -> None:
         raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}.")
     if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
         raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}.")
+    if cfg.optimizer.schedule not in ("constant", "cosine"):
+        raise ConfigError(f"optimizer.schedule {cfg.optimizer.schedule!r} is not one of constant, cosine.")
+    if cfg.optimizer.warmup_steps < 0:
+        raise ConfigError(f"optimizer.warmup_steps must be 0 or more, got {cfg.optimizer.warmup_steps}.")
     if cfg.optimizer.clip_norm < 0:
         raise ConfigError(f"optimizer.clip_norm must be 0 or more, got {cfg.optimizer.clip_norm}.")
     ckpt = cfg.memory.checkpointing
@@ -179,6 +188,10 @@ def _validate(cfg: Config) -> None:
         )
     if ckpt == "auto" and not cfg.memory.budget:
         raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
+    if cfg.memory.budget:
+        # NOTE: only the syntax is checked here; a percentage is resolved against the
+        # baseline peak once that is measured.
+        parse_bytes(cfg.memory.budget, reference=1 << 40, what="memory.budget")
     if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
         raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):

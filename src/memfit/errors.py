@@ -8,7 +8,7 @@ catch the class they care about.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InfeasibleBudget", "MemfitError", "UnsupportedPrecision"]
+__all__ = ["ConfigError", "InfeasibleBudget", "MemfitError", "StateError", "UnsupportedPrecision"]
 
 
 class MemfitError(Exception):
@@ -35,3 +35,7 @@ class InfeasibleBudget(MemfitError):
         super().__init__(message)
         self.minimum_bytes = int(minimum_bytes)
         self.budget_bytes = int(budget_bytes)
+
+
+class StateError(MemfitError):
+    """A training-state file is missing, truncated, damaged or does not fit this run."""

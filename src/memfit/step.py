@@ -17,7 +17,15 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.precision import Precision
 
-__all__ = ["Batch", "LossFn", "StepResult", "batch_size", "split_batch", "training_step"]
+__all__ = [
+    "Batch",
+    "LossFn",
+    "StepResult",
+    "batch_size",
+    "batch_tokens",
+    "split_batch",
+    "training_step",
+]
 
 Batch = Any
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -31,6 +39,10 @@ class StepResult:
     grad_norm: float | None
     skipped: bool
     scale: float
+    samples: int = 0
+    """Examples in the batch (its first dimension)."""
+    tokens: int = 0
+    """Tokens in the batch (see :func:`batch_tokens`)."""
 
 
 def _tensors(batch: Batch) -> Sequence[torch.Tensor]:
@@ -51,6 +63,15 @@ def _value(loss: torch.Tensor) -> float:
 def batch_size(batch: Batch) -> int:
     """The first dimension of the batch's tensors."""
     return int(_tensors(batch)[0].shape[0])
+
+
+def batch_tokens(batch: Batch) -> int:
+    """Tokens in a batch: all elements of its first tensor when that holds integer token ids
+    with a sequence dimension, else one per example (images, feature vectors)."""
+    first = _tensors(batch)[0]
+    if first.ndim >= 2 and not first.is_floating_point() and not first.is_complex():
+        return int(first.numel())
+    return int(first.shape[0])
 
 
 def split_batch(batch: Batch, parts: int) -> list[Batch]:
@@ -111,4 +132,11 @@ def training_step(
         scaler.update()
         if scaler.is_enabled():
             skipped = float(scaler.get_scale()) < scale
-    return StepResult(loss=loss_sum, grad_norm=grad_norm, skipped=skipped, scale=scale)
+    return StepResult(
+        loss=loss_sum,
+        grad_norm=grad_norm,
+        skipped=skipped,
+        scale=scale,
+        samples=total,
+        tokens=batch_tokens(batch),
+    )

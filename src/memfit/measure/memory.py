@@ -31,7 +31,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport
 from memfit.step import Batch, LossFn, training_step
 
-__all__ = ["measure", "tracked_step"]
+__all__ = ["MemoryWatch", "measure", "tracked_step"]
 
 
 def _parts(snapshot: dict[Any, int]) -> dict[str, int]:
@@ -52,6 +52,68 @@ def _device_of(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+class MemoryWatch:
+    """Context that tracks the memory of the training step run inside it.
+
+    MemTracker gives the breakdown on every device; on a GPU the CUDA allocator's peak is
+    the total. Tracking only observes: the step computes exactly what it would untracked.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with MemoryWatch(model) as watch:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> watch.peak_bytes == sum(watch.breakdown.values()) > 0
+        True
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self._hook: Any = None
+        self.device = _device_of(model)
+        self.peak_bytes = 0
+        self.breakdown: dict[str, int] = {}
+        self._tracker = MemTracker()
+        modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
+        self._tracker.track_external(*modules)
+
+    def current(self) -> dict[str, int]:
+        """The breakdown of what is held now (call inside the context)."""
+        return _parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
+
+    def __enter__(self) -> MemoryWatch:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # NOTE: registered before MemTracker's own global hooks so it runs first.
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
+        self._tracker.__enter__()
+        return self
+
+    def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
+        # NOTE: MemTracker refuses a second forward of the root module in one context (it
+        # takes it for a new iteration). With gradient accumulation that second forward is
+        # the next micro-batch of the same step: clear the per-module statistics (the
+        # peak snapshot is kept) so it is tracked like the first.
+        tracker = self._tracker
+        if module is self.model and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.breakdown = _parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
+        self.peak_bytes = sum(self.breakdown.values())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # NOTE: on a GPU the allocator's peak is the truth: it also counts what MemTracker
+            # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.breakdown["temporaries"] += self.peak_bytes - sum(self.breakdown.values())
+
+
 def tracked_step(
     model: nn.Module,
     batch: Batch,
@@ -65,43 +127,19 @@ def tracked_step(
     Activation bytes are what is held, beyond parameters and optimizer state, when the
     first micro-batch's loss is ready: what the forward pass keeps for backward.
     """
-    tracker = MemTracker()
-    modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
-    tracker.track_external(*modules)
     after: list[dict[str, int]] = []
-    device = _device_of(model)
-
-    def _after_forward() -> None:
-        after.append(_parts(tracker.get_tracker_snapshot("current").get(device, {})))
-
-    calls = [0]
-
-    def _loss(m: nn.Module, part: Batch) -> torch.Tensor:
-        # NOTE: MemTracker refuses a second forward of the root module in one tracked
-        # region; each micro-batch after the first starts with fresh per-module stats
-        # (the device-wide peak and the current snapshot are kept).
-        if calls[0]:
-            tracker.reset_mod_stats()
-        calls[0] += 1
-        return loss_fn(m, part)
-
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-
-    with tracker:
-        training_step(model, batch, _loss, optimizer, precision, micro_batches, after_forward=_after_forward)
-    breakdown = _parts(tracker.get_tracker_snapshot("peak").get(device, {}))
-    peak = sum(breakdown.values())
-    if cuda:
-        torch.cuda.synchronize(device)
-        # NOTE: on a GPU the allocator's peak is the truth: it also counts what MemTracker
-        # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
-        peak = int(torch.cuda.max_memory_allocated(device))
-        breakdown["temporaries"] += peak - sum(breakdown.values())
+    with MemoryWatch(model, optimizer) as watch:
+        training_step(
+            model,
+            batch,
+            loss_fn,
+            optimizer,
+            precision,
+            micro_batches,
+            after_forward=lambda: after.append(watch.current()),
+        )
     acts = after[0]["activations"] + after[0]["temporaries"] if after else 0
-    return peak, breakdown, acts
+    return watch.peak_bytes, watch.breakdown, acts
 
 
 def measure(

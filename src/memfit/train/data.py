@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 
 from memfit.errors import ConfigError
 
-__all__ = ["BatchSampler", "ByteCorpus", "stdlib_source_dir"]
+__all__ = ["BatchSampler", "ByteCorpus", "SyntheticBatches", "stdlib_source_dir"]
 
 _TEXT_SUFFIXES = (
     ".py",
@@ -143,6 +144,49 @@ class BatchSampler:
         batch = self.batch_at(self.position)
         self.position += 1
         return batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Batches from the current position on, without end (each one advances it)."""
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and seed, for training-state files."""
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+
+
+class SyntheticBatches:
+    """Batches from a model's own ``make_batch(batch_size, seed)``, resumable like a sampler.
+
+    Batch ``i`` is ``make_batch(batch_size, seed * 1_000_003 + i)``, so it depends only on
+    ``seed`` and ``i``.
+    """
+
+    def __init__(self, make_batch: Callable[[int, int], Any], batch_size: int, seed: int = 0) -> None:
+        self.make_batch = make_batch
+        self.batch_size = batch_size
+        self.seed = seed
+        self.position = 0
+
+    def batch_at(self, index: int) -> Any:
+        """The batch number ``index``, without moving."""
+        return self.make_batch(self.batch_size, self.seed * 1_000_003 + index)
+
+    def next_batch(self) -> Any:
+        """The next batch; advances the position."""
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the current position on, without end."""
+        while True:
+            yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
         """Position and seed, for training-state files."""

@@ -1,0 +1,42 @@
+"""``memfit train CONFIG.toml``: train as the config says, with metrics, a report and resume."""
+
+from __future__ import annotations
+
+import argparse
+
+from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.train.run import INTERRUPTED, train_from_config
+
+HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """CONFIG.toml, ``--set``, ``--resume [STATE]`` and ``--quiet``."""
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="STATE",
+        help="continue from a saved training state (default: state.pt in train.out)",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bar and no per-evaluation lines")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+    cfg = config_from_args(args)
+    result = train_from_config(
+        cfg,
+        resume=args.resume,
+        progress=False if args.quiet else None,
+        echo=(lambda _line: None) if args.quiet else print,
+        overwrite=args.overwrite,
+    )
+    return 130 if result.trainer.stop_reason == INTERRUPTED else 0
