@@ -13,8 +13,9 @@ from memfit.plan.simulator import block_options, block_seconds, events, simulate
 from memfit.plan.solver import minimum_peak, solve
 from memfit.records import BlockStats, Profile
 
-# Same optimum: the solver's objective value equals exhaustive search's to this tolerance.
-OBJECTIVE_RTOL = 1e-9
+# Same optimum: the solver's objective value equals exhaustive search's to this tolerance
+# (HiGHS proves optimality to its tolerances, ~1e-7 of the normalised objective).
+OBJECTIVE_RTOL = 1e-6
 
 
 @st.composite
@@ -97,7 +98,7 @@ def test_solver_matches_exhaustive_search(profile: Profile, frac: float, micro: 
     assert got is not None
     assert got.peak_bytes <= budget
     assert got.peak_bytes == simulate(profile, got.modes, micro).peak_bytes
-    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-12)
+    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-9)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -109,7 +110,7 @@ def test_solver_matches_exhaustive_search_at_ten_blocks(profile: Profile) -> Non
     expected = _exhaustive(profile, budget, 1)
     got = solve(profile, budget)
     assert expected is not None and got is not None
-    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-12)
+    assert got.block_seconds == pytest.approx(expected, rel=OBJECTIVE_RTOL, abs=1e-9)
 
 
 @settings(max_examples=40, deadline=None)

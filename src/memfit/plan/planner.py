@@ -241,8 +241,8 @@ def _checked(
     """Measure the plan; while it is over budget, re-plan under the budget less the excess.
 
     # NOTE: the simulator assumes blocks are additive; where they are not (tensors held
-    # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. The
-    # excess, measured, becomes a safety margin, so the returned plan was seen to fit.
+    # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That
+    # error, measured, becomes a safety margin, so the returned plan was seen to fit.
     """
     budget = result.budget_bytes
     margin = 0
@@ -254,7 +254,8 @@ def _checked(
         result.measured_peak_bytes = measured
         if measured <= budget:
             return result
-        margin += measured - budget
+        # The simulator's error on this plan, or (if that is not enough) a step further.
+        margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
         try:
             result = plan_from_profiles(
                 profiles, budget - margin, result.baseline_peak_bytes, result.baseline_step_seconds
