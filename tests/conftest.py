@@ -191,7 +191,7 @@ class UnevenMLP(nn.Module):
         return self.out(h)
 
 
-def uneven_batch(batch: int = 6, width: int = 24, seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+def uneven_batch(batch: int = 96, width: int = 24, seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
 

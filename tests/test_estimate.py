@@ -81,6 +81,7 @@ def test_llama_fp32_state_is_16_bytes_per_parameter() -> None:
         modes=["none"],
     )
     prof = est.profiles["fp32"]
+    assert prof.optimizer == "AdamW" and prof.optimizer_bytes_by_dtype == {"float32": prof.optimizer_bytes}
     buffers = sum(b.numel() * b.element_size() for b in spec.model.buffers())
     n = est.param_count
     assert n == sum(p.numel() for p in spec.model.parameters())

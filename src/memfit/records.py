@@ -121,15 +121,19 @@ class BlockStats(Record):
 
     For a block:
 
-    - ``saved_bytes[m]``: total when its forward returns minus total when it starts: what
-      the block keeps alive from the end of its forward until its backward (for ``full``:
-      its input; for ``selective``: also matmul/attention/conv outputs; for ``none``:
-      everything autograd saves). Its output counts here (the next block keeps it).
+    - ``saved_bytes[m]``: bytes the block's forward created that are still alive when the
+      whole forward ends: what it keeps until its backward (for ``full``: its input; for
+      ``selective``: also matmul/attention/conv outputs; for ``none``: everything autograd
+      saves). Its output counts here when the next block keeps it.
+    - ``held_bytes[m]``: total when its forward returns minus total when it starts: the
+      saved bytes plus what it holds only until the forward ends (autocast's cached weight
+      casts, for example).
     - ``forward_peak_bytes[m]``: highest total while its forward runs minus the total when
-      it starts (so at least ``saved_bytes[m]``).
+      it starts (so at least ``held_bytes[m]``).
     - ``backward_peak_bytes[m]``: highest total while its backward runs (recompute
-      included) minus what is kept then, i.e. minus (total when its forward returned +
-      parameter gradients that exist when its backward starts). It covers the recomputed
+      included) minus what is kept then: parameters, optimizer state, the gradients that
+      exist when its backward starts, ``Profile.outside_before_kept_bytes`` and the saved
+      bytes of this block and every block before it. It covers the recomputed
       activations, the incoming and outgoing activation gradients, its own parameter
       gradients and weight-gradient temporaries.
 
@@ -138,7 +142,7 @@ class BlockStats(Record):
     - ``saved_bytes[m]``: activation total at the end of the forward minus the blocks'
       ``saved_bytes[m]``: what the outside keeps for backward (with the batch input).
     - ``forward_peak_bytes[m]``: highest (total - parameters and optimizer state - blocks'
-      saved bytes of the blocks whose forward has finished) at any moment of the forward
+      held bytes of the blocks whose forward has finished) at any moment of the forward
       outside every block: the loss and head transients on top of what the outside keeps.
     - ``backward_peak_bytes[m]``: highest (total - parameters and optimizer state - saved
       bytes of blocks not yet backwarded - gradients of blocks already backwarded) at any
@@ -164,6 +168,8 @@ class BlockStats(Record):
     """Bytes of its parameters' gradients (created during its backward, kept to the step)."""
     forward_peak_bytes: dict[str, int] = field(default_factory=dict)
     """Transient peak of its forward above the total when it started, per mode."""
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes it holds when its forward returns (saved bytes + what the forward's end frees)."""
 
 
 @dataclass
@@ -173,15 +179,18 @@ class Profile(Record):
     All bytes are MemTracker's counts on a CPU (CUDA allocator on a GPU for the measured
     peak) for one steady-state step at ``batch_size`` in ``precision``. The step holds
     ``fixed = param_bytes + optimizer_bytes`` throughout. With blocks ``0..n-1`` in forward
-    order, block ``i`` in mode ``m_i``, ``S(i) = sum(saved_bytes[m_j] for j <= i)`` and
+    order, block ``i`` in mode ``m_i``, ``S(i) = sum(saved_bytes[m_j] for j <= i)``,
+    ``H(i) = sum(held_bytes[m_j] for j <= i)`` and
     ``G(i) = early_grad_bytes + sum(grad_bytes of blocks j > i)``, the step's peak is the
     largest of:
 
-    - forward of block i: ``fixed + outside_before_bytes + S(i-1) + forward_peak_bytes[m_i]``
-    - forward outside: ``fixed + S(n-1) + outside.forward_peak_bytes[m]``
-    - backward of block i: ``fixed + G(i) + outside_before_bytes + S(i) + backward_peak_bytes[m_i]``
+    - forward of block i: ``fixed + outside_before_bytes + H(i-1) + forward_peak_bytes[m_i]``
+    - forward outside: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
+    - backward of block i: ``fixed + G(i) + outside_before_kept_bytes + S(i) + backward_peak_bytes[m_i]``
     - backward outside: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
     - optimizer step: ``fixed + grad_bytes + optimizer_temp_bytes``
+
+    :func:`memfit.measure.stepmodel.step_peak` implements this.
 
     For a uniform mode this reproduces ``measured_peak_bytes`` (mode none) to within a few
     bytes; the tests check it for every mode and for mixed modes.
@@ -212,6 +221,9 @@ class Profile(Record):
     outside_before_bytes: int = 0
     """What the outside part holds when the first block starts (embedding output, input);
     kept until the embeddings' backward, after every block's backward."""
+    outside_before_kept_bytes: int = 0
+    """What the outside keeps for backward from before the blocks (embedding output, the
+    input): alive when the forward ends and freed only after every block's backward."""
     early_grad_bytes: int = 0
     """Parameter gradients that exist when the last block's backward starts (final norm,
     head); tied weights accumulate later."""
@@ -219,6 +231,8 @@ class Profile(Record):
     """Activation total at the end of the forward with no checkpointing (blocks + outside)."""
     notes: list[str] = field(default_factory=list)
     """Caveats found while profiling (no blocks found, ops without FLOP formulas, ...)."""
+    optimizer_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    """The optimizer state split by dtype, e.g. ``{"float32": ...}`` (step counters included)."""
 
 
 @dataclass
@@ -281,7 +295,8 @@ class Estimate(Record):
     """Bytes available on the target device, if given."""
     assumptions: list[str] = field(default_factory=list)
     profiles: dict[str, Profile] = field(default_factory=dict)
-    """Per precision, the memory part of a :class:`Profile` (for planning without running)."""
+    """Per precision, the memory numbers of a :class:`Profile` (times and FLOPs are 0), for
+    planning a model too large to run; ``measured_peak_bytes`` is 0 (nothing was measured)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
 

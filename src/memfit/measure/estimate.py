@@ -42,7 +42,13 @@ from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measure.batchcheck import batch_errors
-from memfit.measure.phases import StepMemory, _PhaseTracker, grad_bytes_of, phased_step
+from memfit.measure.phases import (
+    StepMemory,
+    _PhaseTracker,
+    grad_bytes_of,
+    optimizer_state_bytes,
+    phased_step,
+)
 from memfit.measure.profile import profile_from_memory
 from memfit.measure.stepmodel import step_peak
 from memfit.precision import Precision
@@ -136,10 +142,12 @@ def _fast_profiles(
     """Profiles of identical blocks from steps that run only the first two of them.
 
     NOTE: a block's numbers do not depend on how many identical blocks run before and
-    after it (each is a difference taken at its own boundaries, and the tests check the
-    sums against measured peaks), so the other blocks pass their input through: the step
-    costs two blocks instead of all of them. The optimizer step, which does not depend on
-    the blocks, is tracked separately with every gradient present.
+    after it (each is taken at its own boundaries, and the tests check the sums against
+    measured peaks), only on whether its output feeds another block or the outside part.
+    So the other blocks pass their input through: the first block stands for every block
+    but the last, the second for the last, and the step costs two blocks instead of all.
+    The optimizer step, which does not depend on the blocks, is tracked separately with
+    every gradient present.
     """
     active = blocks[:2]
     _set_skipped(model, blocks[2:], True)
@@ -154,10 +162,13 @@ def _fast_profiles(
                     model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
                 )
             short = profile_from_memory(model, active, per_mode, precision, batch_size(batch))
-            rep = short.blocks[-1]
-            short.blocks = [dataclasses.replace(rep, name=b) for b in blocks]
+            # the last block's output feeds the outside part, the others' the next block
+            first, last = short.blocks
+            short.blocks = [dataclasses.replace(first, name=b) for b in blocks[:-1]]
+            short.blocks.append(dataclasses.replace(last, name=blocks[-1]))
             short.param_bytes = _param_bytes(model)
             short.grad_bytes = grad_bytes_of(model)
+            short.outside.param_bytes = short.param_bytes - sum(b.param_bytes for b in short.blocks)
             profiles[precision] = short
     finally:
         _set_skipped(model, blocks[2:], False)
@@ -283,6 +294,10 @@ def estimate(
             entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
         rank = {p: i for i, p in enumerate(precisions)}
         entries.sort(key=lambda e: rank[e.precision])
+    by_dtype = optimizer_state_bytes(optimizer)
+    for prof in profiles.values():
+        prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = dict(by_dtype)
     return Estimate(
         model=type(model).__name__,
         param_count=sum(p.numel() for p in model.parameters()),

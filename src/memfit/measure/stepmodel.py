@@ -53,19 +53,20 @@ def step_peak(prof: Profile, modes: str | Mapping[str, str]) -> tuple[int, dict[
     out_mode = chosen[0] if chosen else (modes if isinstance(modes, str) else "none")
     out = prof.outside
     saved = [b.saved_bytes[m] for b, m in zip(prof.blocks, chosen, strict=True)]
-    before = prof.outside_before_bytes
+    held = [b.held_bytes.get(m, b.saved_bytes[m]) for b, m in zip(prof.blocks, chosen, strict=True)]
     cands: list[dict[str, int]] = [
         {"grads": prof.grad_bytes, "activations": 0, "temporaries": prof.optimizer_temp_bytes},
-        {"grads": 0, "activations": sum(saved), "temporaries": out.forward_peak_bytes.get(out_mode, 0)},
+        {"grads": 0, "activations": sum(held), "temporaries": out.forward_peak_bytes.get(out_mode, 0)},
         {"grads": 0, "activations": sum(saved), "temporaries": out.backward_peak_bytes.get(out_mode, 0)},
     ]
     later = prof.early_grad_bytes + sum(b.grad_bytes for b in prof.blocks)
-    kept = before
-    for b, m, s in zip(prof.blocks, chosen, saved, strict=True):
+    fw_kept, bw_kept = prof.outside_before_bytes, prof.outside_before_kept_bytes
+    for b, m, s, h in zip(prof.blocks, chosen, saved, held, strict=True):
         later -= b.grad_bytes
-        cands.append({"grads": 0, "activations": kept, "temporaries": b.forward_peak_bytes[m]})
-        kept += s
-        cands.append({"grads": later, "activations": kept, "temporaries": b.backward_peak_bytes[m]})
+        cands.append({"grads": 0, "activations": fw_kept, "temporaries": b.forward_peak_bytes[m]})
+        fw_kept += h
+        bw_kept += s
+        cands.append({"grads": later, "activations": bw_kept, "temporaries": b.backward_peak_bytes[m]})
     best = max(cands, key=lambda c: sum(c.values()))
     parts = {"params": prof.param_bytes, "optimizer": prof.optimizer_bytes, **best}
     return sum(parts.values()), {k: int(parts[k]) for k in BREAKDOWN_KEYS}

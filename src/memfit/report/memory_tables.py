@@ -83,10 +83,17 @@ def verdict_line(ordered: Sequence[EstimateEntry], device_memory: int | None) ->
                 "fastest-looking strategy that fits."
             )
     short = smallest.peak_bytes - device_memory
+    static = sum(smallest.breakdown.get(k, 0) for k in ("params", "grads", "optimizer"))
+    if static >= device_memory:
+        hint = (
+            f"parameters, gradients and optimizer state alone take {format_bytes(static)}, so "
+            "only fewer parameters, a lighter optimizer or sharding across devices can fit"
+        )
+    else:
+        hint = "use a smaller batch or shorter sequences"
     return (
         f"nothing fits in {format_bytes(device_memory)}: the smallest strategy, {words}, needs "
-        f"{format_bytes(smallest.peak_bytes)}, {format_bytes(short)} more; use a smaller batch or "
-        "shorter sequences."
+        f"{format_bytes(smallest.peak_bytes)}, {format_bytes(short)} more; {hint}."
     )
 
 
