@@ -42,9 +42,9 @@ class _Wide(nn.Module):
 
 
 class UnevenNet(nn.Module):
-    """Residual MLP blocks of one class whose hidden widths differ 32x."""
+    """Twelve residual MLP blocks of one class whose hidden widths differ 8x."""
 
-    def __init__(self, width: int = 64, hidden: tuple[int, ...] = (64, 2048, 128, 1024, 64, 512, 256, 64)):
+    def __init__(self, width: int = 32, hidden: tuple[int, ...] = (32, 256, 64, 128) * 3):
         super().__init__()
         self.blocks = nn.ModuleList(_Wide(width, h) for h in hidden)
         self.out = nn.Linear(width, 1)
@@ -66,10 +66,10 @@ def _cases() -> dict[str, tuple[nn.Module, tuple[torch.Tensor, torch.Tensor], ob
     tokens = torch.randint(0, 256, (8, 65))
     uneven = UnevenNet()
     g = torch.Generator().manual_seed(1)
-    vectors = (torch.randn(512, 64, generator=g), torch.randn(512, 1, generator=g))
+    vectors = (torch.randn(1024, 32, generator=g), torch.randn(1024, 1, generator=g))
     return {
         "built-in GPT (6 x 64, seq 64, batch 8)": (gpt, (tokens[:, :-1], tokens[:, 1:]), gpt_loss),
-        "uneven MLP (8 blocks, hidden 64..2048, batch 512)": (uneven, vectors, _mse),
+        "uneven MLP (12 blocks, width 32, hidden 32..256, batch 1024)": (uneven, vectors, _mse),
     }
 
 
@@ -102,11 +102,15 @@ def _row(budget: int, baseline: int, points: dict[str, BenchPoint], planned: dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=7, help="timed steps per strategy, interleaved")
+    parser.add_argument("--only", choices=("gpt", "uneven"), help="bench one model only")
     args = parser.parse_args()
     machine = platform.processor() or platform.machine()
     print(f"# {datetime.date.today()} on {machine}, torch {torch.__version__}")
-    print(f"# command: .venv/bin/python benchmarks/bench_plan.py --steps {args.steps}\n")
+    only = f" --only {args.only}" if args.only else ""
+    print(f"# command: .venv/bin/python benchmarks/bench_plan.py --steps {args.steps}{only}\n")
     for title, (model, batch, loss_fn) in _cases().items():
+        if args.only and not title.lower().startswith({"gpt": "built-in", "uneven": "uneven"}[args.only]):
+            continue
         opt = torch.optim.AdamW(model.parameters())
         prof = profile(model, batch, loss_fn, opt, "fp32", repeats=3)
         strategies = []
