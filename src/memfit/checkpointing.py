@@ -81,11 +81,18 @@ def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpo
     return CheckpointPolicy.MUST_SAVE if packet in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _has_repeat(children: Sequence[nn.Module]) -> bool:
-    for a, b in itertools.pairwise(children):
-        if type(a) is type(b) and any(True for _ in a.parameters()):
-            return True
-    return False
+def _is_stage(module: nn.Module) -> bool:
+    """A container whose own children repeat (a ResNet stage): its children are the blocks."""
+    return isinstance(module, nn.ModuleList | nn.Sequential) and bool(_repeated(list(module.children())))
+
+
+def _repeated(children: Sequence[nn.Module]) -> set[type[nn.Module]]:
+    """Classes of consecutive same-class children that have parameters and are not stages."""
+    return {
+        type(a)
+        for a, b in itertools.pairwise(children)
+        if type(a) is type(b) and any(True for _ in a.parameters()) and not _is_stage(a)
+    }
 
 
 def find_blocks(model: nn.Module) -> list[str]:
@@ -93,9 +100,10 @@ def find_blocks(model: nn.Module) -> list[str]:
 
     The blocks are found where they are shallowest: the first ``nn.ModuleList`` or
     ``nn.Sequential`` (by depth) holding two or more consecutive children of one class with
-    parameters (transformer layers, ResNet blocks). Every outermost module of that class
-    (or classes, when several containers tie at that depth) anywhere in the model is a
-    block, so ResNet's blocks across all its stages are found.
+    parameters (transformer layers, ResNet blocks). A container whose own children repeat
+    is a stage, not a block, so the search goes on inside it. Every outermost module of the
+    block class (or classes, when several containers tie at that depth) anywhere in the
+    model is a block, so ResNet's blocks across all its stages are found.
 
     Args:
         model: any ``nn.Module``.
@@ -116,11 +124,9 @@ def find_blocks(model: nn.Module) -> list[str]:
         depth = 0 if name == "" else name.count(".") + 1
         if best_depth is not None and depth > best_depth:
             continue
-        children = list(module.children())
-        if not _has_repeat(children):
+        found = _repeated(list(module.children()))
+        if not found:
             continue
-        found = {type(a) for a, b in itertools.pairwise(children) if type(a) is type(b)}
-        found = {c for c in found if not issubclass(c, nn.ModuleList | nn.Sequential)} or found
         if best_depth is None or depth < best_depth:
             best_depth, classes = depth, set(found)
         else:
