@@ -227,6 +227,10 @@ def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_pat
         f.truncate(state.stat().st_size - 10)
     line = _error(capsys, [*argv, "--resume"])
     assert "truncated" in line and "state.prev.pt" in line
+    config = tmp_path / "run.toml"
+    config.write_text(f"[train]\nout = '{out}'\n")
+    line = _error(capsys, ["train", "--resume", str(config)])  # the config is not taken for a state
+    assert "truncated" in line
     assert load_state(out / "state.prev.pt")["step"] == 2
     assert main([*argv, "--resume", str(out / "state.prev.pt"), "--set", "train.steps=5"]) == 0
     assert [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
@@ -256,11 +260,13 @@ def test_budget_verdict_in_the_report(tmp_path, text_file, capsys) -> None:  # t
     argv = [
         "train", "--quiet", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
         "--set", "model.block_size=8", "--set", "train.steps=2", "--set", f"data.path='{text_file}'",
-        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'",
+        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'", "--set", "model.n_layer=3",
+        "--set", "memory.checkpointing='every:2'",
     ]  # fmt: skip
     assert main(argv) == 0
     assert "is OVER memory.budget" in capsys.readouterr().err
     report = (out / "report.md").read_text()
     assert "OVER memory.budget" in report
+    assert "| checkpointing | full on every 2 blocks (blocks.0, blocks.2) |" in report
     peak = next(m.peak_bytes for m in read_metrics(out / "metrics.jsonl") if m.tracked)
     assert peak is not None and f"{peak:,}" in report

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+    if args.config is None and args.resume and args.resume.endswith(".toml"):
+        # NOTE: `memfit train --resume CONFIG.toml`: argparse gives the config to --resume.
+        args.config, args.resume = args.resume, "auto"
     cfg = config_from_args(args)
     result = train_from_config(
         cfg,

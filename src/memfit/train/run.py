@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.checkpointing import checkpoint
+from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
 from memfit.plan.planner import apply, plan
@@ -155,8 +155,9 @@ def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
     if mode == "none":
         return "none"
     if mode.startswith("every:"):
-        checkpoint(model, mode="full", every=int(mode.split(":")[1]))
-        return f"full on every {mode.split(':')[1]}th block"
+        every = int(mode.split(":")[1])
+        checkpoint(model, mode="full", every=every)
+        return f"full on every {every} blocks ({', '.join(checkpointed_blocks(model))})"
     checkpoint(model, mode=mode)
     return mode
 
