@@ -6,8 +6,6 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 Example:
     >>> import torch, memfit
     >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.callbacks import Callback
-from memfit.train.trainer import Trainer
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
