@@ -87,6 +87,77 @@ def vector_batch(batch: int = 8, width: int = 32, seed: int = 3) -> tuple[torch.
     return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
 
 
+class WideBlock(nn.Module):
+    """A residual MLP block whose hidden width is its own: blocks of different sizes."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, hidden)
+        self.down = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class VariedMLP(nn.Module):
+    """Residual blocks of very different sizes (hidden widths 16 to 512)."""
+
+    def __init__(self, width: int = 32, hidden: tuple[int, ...] = (16, 512, 64, 256, 32, 128)) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(WideBlock(width, h) for h in hidden)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+class UStage(nn.Module):
+    """conv -> ReLU -> conv -> ReLU at one resolution (a U-Net stage)."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))))
+
+
+class TinyUNet(nn.Module):
+    """A U-Net-like model: encoder outputs are held across blocks and concatenated into the decoder."""
+
+    def __init__(self, ch: int = 4, depth: int = 2) -> None:
+        super().__init__()
+        widths = [ch * 2**i for i in range(depth + 1)]
+        stages = [UStage(3, widths[0])]
+        stages += [UStage(widths[i], widths[i + 1]) for i in range(depth)]
+        stages += [UStage(widths[i + 1] + widths[i], widths[i]) for i in reversed(range(depth))]
+        self.stages = nn.ModuleList(stages)
+        self.depth = depth
+        self.head = nn.Conv2d(widths[0], 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        h = self.stages[0](x)
+        for i in range(self.depth):
+            skips.append(h)
+            h = self.stages[1 + i](nn.functional.max_pool2d(h, 2))
+        for i in range(self.depth):
+            up = nn.functional.interpolate(h, scale_factor=2.0, mode="nearest")
+            h = self.stages[1 + self.depth + i](torch.cat([up, skips.pop()], dim=1))
+        return self.head(h)
+
+
+def image_regression_batch(
+    batch: int = 4, size: int = 16, seed: int = 4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, 3, size, size, generator=g), torch.randn(batch, 3, size, size, generator=g)
+
+
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(1234)

@@ -192,10 +192,17 @@ def test_model_factory_that_cannot_be_imported(capsys, tmp_path, text_file) -> N
     assert "cannot import module 'no_such_pkg.models'" in line
 
 
-def test_checkpointing_auto_needs_the_planner(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    argv = ["train", "--set", "memory.checkpointing='auto'", "--set", "memory.budget='1GiB'"]
-    line = _error(capsys, [*argv, "--set", f"train.out='{tmp_path}'"])
-    assert "needs the planner" in line
+def test_checkpointing_auto_plans_to_the_budget(capsys, tmp_path, text_file) -> None:  # type: ignore[no-untyped-def]
+    argv = [
+        "train",
+        "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2",
+        "--set", "model.block_size=16", "--set", "train.steps=2", "--set", "train.batch_size=4",
+        "--set", f"data.path='{text_file}'", "--set", "memory.checkpointing='auto'",
+    ]  # fmt: skip
+    assert main([*argv, "--set", "memory.budget='80%'", "--set", f"train.out='{tmp_path / 'a'}'"]) == 0
+    assert "planned to" in capsys.readouterr().out
+    line = _error(capsys, [*argv, "--set", "memory.budget='1KB'", "--set", f"train.out='{tmp_path / 'b'}'"])
+    assert "no plan fits the budget" in line and "AdamW state alone take" in line
 
 
 def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_path, text_file) -> None:  # type: ignore[no-untyped-def]

@@ -36,6 +36,7 @@ from memfit.measure.estimate import estimate
 from memfit.measure.memory import measure
 from memfit.measure.profile import profile
 from memfit.measure.strategies import Strategy
+from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
 from memfit.records import (
     BenchPoint,
@@ -84,6 +85,7 @@ __all__ = [
     "Trainer",
     "UnsupportedPrecision",
     "__version__",
+    "apply",
     "attribute",
     "bench",
     "check_stability",
@@ -95,6 +97,7 @@ __all__ = [
     "gpt_loss",
     "measure",
     "parse_bytes",
+    "plan",
     "profile",
     "uncheckpoint",
 ]

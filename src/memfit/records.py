@@ -255,6 +255,10 @@ class Plan(Record):
     baseline_peak_bytes: int = 0
     baseline_step_seconds: float = 0.0
     budget_bytes: int = 0
+    measured_peak_bytes: int = 0
+    """The plan's peak as measured when it was made (0: not measured)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the plan (e.g. BatchNorm sees micro-batches)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ bench.md, bench.json, bench.csv and bench.png into ``--out``.
 from __future__ import annotations
 
 import argparse
+import copy
 import shlex
 import sys
 from pathlib import Path
@@ -22,7 +23,9 @@ from memfit.config import Config
 from memfit.devices import default_device, device_facts
 from memfit.errors import ConfigError
 from memfit.measure.bench import bench
+from memfit.measure.copies import batch_to
 from memfit.measure.strategies import builtin_strategies, resolve_strategies
+from memfit.plan.strategies import planner_strategies
 from memfit.report.bench_report import bench_table, default_meta, failed_lines, write_bench_files
 from memfit.report.pareto import recommendation
 from memfit.train.build import build_model
@@ -74,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU threads for torch (default 1 on a CPU: single-threaded times are steadier on a "
         "shared machine; 0 keeps torch's default)",
     )
+    parser.add_argument(
+        "--plan",
+        metavar="BUDGETS",
+        help="also bench the planner's plan at each budget, e.g. '50%%,65%%,80%%' (points plan@BUDGET)",
+    )
     parser.add_argument("--list", action="store_true", help="list the built-in strategies and exit")
 
 
@@ -118,7 +126,7 @@ def _command(args: argparse.Namespace) -> str:
     parts = ["memfit", "bench"] + ([args.config] if args.config else [])
     parts += [f"--set={o}" for o in args.overrides]
     parts += [f"--strategies={s}" for s in args.strategies]
-    for flag in ("budget", "out", "steps", "slow_steps", "batch_size", "threads"):
+    for flag in ("budget", "plan", "out", "steps", "slow_steps", "batch_size", "threads"):
         value = getattr(args, flag)
         if value is not None:
             parts.append(f"--{flag.replace('_', '-')}={value}")
@@ -138,6 +146,9 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_size is not None and args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
     _check_budget(args.budget)
+    plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
+    for b in plan_budgets:
+        parse_bytes(b, reference=2**50, what="--plan budget")
     cfg = config_from_args(args)
     out = Path(args.out or cfg.train.out)
     if out.exists() and not out.is_dir():
@@ -160,12 +171,31 @@ def run(args: argparse.Namespace) -> int:
             params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
         )
 
+    strategies: list[Any] | None = names
+    if plan_budgets:
+        # NOTE: the planner runs on its own copy on the bench's device; its points then run
+        # side by side with the built-in strategies, interleaved like them.
+        planned = copy.deepcopy(spec.model).to(device)
+        plan_batch = batch_to(batch, device)
+        extra = planner_strategies(
+            planned,
+            plan_batch,
+            spec.loss_fn,
+            optimizer_fn(planned.parameters()),
+            plan_budgets,
+            cfg.memory.precision,
+        )
+        skipped = [b for b in plan_budgets if f"plan@{b}" not in {s.name for s in extra}]
+        for b in skipped:
+            print(f"memfit bench: no plan fits {b}; no plan@{b} point.", file=sys.stderr)
+        del planned
+        strategies = [*(names or [s.name for s in builtin_strategies()]), *extra]
     points = bench(
         spec.model,
         batch,
         spec.loss_fn,
         optimizer_fn,
-        strategies=names,
+        strategies=strategies,
         steps=args.steps,
         slow_steps=args.slow_steps,
         device=device,

@@ -7,8 +7,10 @@ table compares their peak memory (exact bytes from PyTorch's tracking), step tim
 ratio), and losses; ``report.md``, ``metrics.jsonl``, ``loss.png`` and ``memory.png`` go to
 ``--out``.
 
-Trade-off: the memory-saving configuration is fixed here (full activation checkpointing
-in fp32: on a CPU bf16 is emulated and slow); on a GPU the planner will choose it.
+The memfit run trains in the plan :func:`memfit.plan` chooses for ``--budget`` (default 60%
+of the baseline's peak): per-block checkpointing, precision (on a CPU, where bf16 is only
+emulated, it stays fp32) and micro-batches. Trade-off: planning profiles the model first,
+a few seconds before training starts.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import argparse
 import copy
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from memfit.budget import format_bytes
-from memfit.checkpointing import checkpoint, find_blocks
 from memfit.errors import ConfigError
+from memfit.plan.planner import apply, plan
 from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
 from memfit.report.table import markdown_table, text_table
@@ -59,16 +62,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU threads (default: 1 when the CPU is busy, else torch's)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--budget",
+        default="60%",
+        help="memory budget the planner fits the memfit run to (default 60%% of the baseline's peak)",
+    )
 
 
-def _memory_saving_plan(model: torch.nn.Module) -> Plan:
-    """The configuration the memfit run trains in, as a Plan applied to ``model``.
-
-    NOTE: this is the one place the planner will replace: ``plan = memfit.plan(model,
-    batch, gpt_loss, budget, optimizer)`` and ``memfit.apply(model, plan)``.
-    """
-    checkpoint(model, mode="full")
-    return Plan(blocks={name: "full" for name in find_blocks(model)}, precision="fp32", micro_batches=1)
+def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
+    """The planner's fastest plan under ``budget`` for the memfit run, applied to ``model``."""
+    chosen = plan(model, batch, gpt_loss, budget, opt, precision="auto")
+    apply(model, chosen)
+    return chosen
 
 
 def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, LRScheduler]:
@@ -104,10 +109,10 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     base_model = GPT(_MODEL)
     model = copy.deepcopy(base_model)
-    plan = _memory_saving_plan(model)
     base_opt, base_schedule = _optimizer(base_model, args.steps)
     base = Trainer(base_model, base_opt, gpt_loss, "fp32", clip_norm=1.0, scheduler=base_schedule)
     opt, schedule = _optimizer(model, args.steps)
+    plan = _memory_saving_plan(model, sampler.batch_at(0), opt, args.budget)
     main = Trainer(
         model,
         opt,

@@ -41,8 +41,9 @@ from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
+from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
-from memfit.records import StepMetrics
+from memfit.records import Plan, StepMetrics
 from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
@@ -133,16 +134,25 @@ def _schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _refuse_auto() -> None:
-    raise ConfigError(
-        'memory.checkpointing = "auto" needs the planner (memfit plan), which this build does not '
-        "have yet; use none, full, selective or every:K."
+def _check_auto(cfg: Config) -> None:
+    if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
+        raise ConfigError(
+            'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
+        )
+
+
+def _describe_plan(chosen: Plan) -> str:
+    counts: dict[str, int] = {}
+    for mode in chosen.blocks.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
+    return (
+        f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
+        f"predicted peak {format_bytes(chosen.predicted_peak_bytes)})"
     )
 
 
 def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
-    if mode == "auto":
-        _refuse_auto()
     if mode == "none":
         return "none"
     if mode.startswith("every:"):
@@ -245,9 +255,13 @@ def train_from_config(
         MemfitError: a bad config, data path, model factory or state file (one sentence).
     """
     out = Path(cfg.train.out)
-    if cfg.memory.checkpointing == "auto":
-        _refuse_auto()
-    budget = parse_bytes(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
+    _check_auto(cfg)
+    budget_text = cfg.memory.budget
+    budget = None
+    if budget_text:
+        # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
+        budget = parse_bytes(budget_text, reference=2**50, what="memory.budget")
+        budget = None if budget_text.strip().endswith("%") else budget
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
@@ -267,7 +281,6 @@ def train_from_config(
     spec = build_model(cfg.model)
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
-    ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
     opt = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.optimizer.lr,
@@ -275,12 +288,22 @@ def train_from_config(
         eps=cfg.optimizer.eps,
         weight_decay=cfg.optimizer.weight_decay,
     )
+    chosen: Plan | None = None
+    if cfg.memory.checkpointing == "auto":
+        chosen = plan(model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision)
+        apply(model, chosen)
+        budget = chosen.budget_bytes
+        precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
+        ckpt_text = _describe_plan(chosen)
+    else:
+        ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
     trainer = Trainer(
         model,
         opt,
         spec.loss_fn,
         precision,
-        micro_batches=cfg.train.grad_accum,
+        chosen,
+        micro_batches=chosen.micro_batches if chosen else cfg.train.grad_accum,
         clip_norm=cfg.optimizer.clip_norm or None,
         scheduler=_schedule(opt, cfg),
         progress=progress,

@@ -1,0 +1,251 @@
+"""Predict the peak memory and time of one training step from a Profile, without running it.
+
+The simulator walks the step as events (each block's forward, the head and loss, each
+block's backward in reverse order, the optimizer step) and adds up, at each event, what is
+held: parameters and optimizer state, the gradients accumulated so far, the activations
+still kept by the blocks not yet back-propagated, and the transient bytes of the work
+running then (a block's backward with its recompute). The peak is the largest event. The
+events are the ones :class:`memfit.Profile` documents its numbers for. Each is linear in the
+per-block choices, so the solver constrains exactly the expressions the simulator
+evaluates: one source of truth for "fits".
+
+Trade-off: it is a model of the step, not a replay: it treats blocks as additive (a block's
+kept bytes do not depend on its neighbours' modes). That is exact for chains of blocks and
+close where tensors are held across blocks (U-Net skips); :func:`memfit.plan` measures the
+chosen plan once to catch the rest.
+
+Example:
+    >>> from memfit.records import BlockStats, Profile
+    >>> blk = BlockStats("b0", param_bytes=10, grad_bytes=10, saved_bytes={"none": 100, "full": 10},
+    ...                  backward_peak_bytes={"none": 50, "full": 150})
+    >>> prof = Profile(precision="fp32", device="cpu", batch_size=2, blocks=[blk],
+    ...                outside=BlockStats("outside"), param_bytes=10, grad_bytes=10,
+    ...                optimizer_bytes=20, optimizer_temp_bytes=10)
+    >>> simulate(prof, {"b0": "none"}).peak_bytes
+    180
+    >>> simulate(prof, {"b0": "full"}).peak_bytes
+    190
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from memfit.errors import ConfigError
+from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
+
+__all__ = [
+    "Event",
+    "Simulation",
+    "block_options",
+    "block_seconds",
+    "events",
+    "micro_batch_scale",
+    "normalize_modes",
+    "predict_step_seconds",
+    "simulate",
+]
+
+#: What a Plan calls a block that is not checkpointed; the checkpointing API says "none".
+_ALIASES = {"keep": "none"}
+
+
+@dataclass(frozen=True)
+class Event:
+    """One moment of the step: ``const + sum(coef[i][mode of block i])`` bytes are held.
+
+    ``coef`` maps a block index to its bytes per mode; blocks absent from it add nothing.
+    """
+
+    label: str
+    const: int
+    coef: dict[int, dict[str, int]] = field(default_factory=dict)
+
+    def value(self, modes: Sequence[str]) -> int:
+        """Bytes held at this event when block ``i`` runs in ``modes[i]``."""
+        return self.const + sum(c[modes[i]] for i, c in self.coef.items())
+
+
+@dataclass
+class Simulation:
+    """A predicted step: its peak, the event where it happens, and every event's bytes."""
+
+    peak_bytes: int
+    peak_event: str
+    timeline: list[tuple[str, int]]
+    fixed_bytes: int
+    """Parameters + gradients + optimizer state + optimizer temporaries: no plan removes these."""
+
+
+def normalize_modes(profile: Profile, modes: Mapping[str, str] | Sequence[str]) -> list[str]:
+    """Per-block modes in profile order; accepts ``{name: mode}`` or a list, ``keep`` = ``none``.
+
+    Raises:
+        ConfigError: a block is missing, unknown, or its mode was not profiled.
+    """
+    names = [b.name for b in profile.blocks]
+    if isinstance(modes, Mapping):
+        unknown = sorted(set(modes) - set(names))
+        if unknown:
+            raise ConfigError(f"block(s) {unknown} are not in the profile; its blocks are {names}.")
+        missing = [n for n in names if n not in modes]
+        if missing:
+            raise ConfigError(f"no mode given for block(s) {missing}; give one for every profiled block.")
+        seq = [modes[n] for n in names]
+    else:
+        seq = list(modes)
+        if len(seq) != len(names):
+            raise ConfigError(f"got {len(seq)} modes for {len(names)} profiled blocks; give one per block.")
+    out = [_ALIASES.get(m, m) for m in seq]
+    for block, mode in zip(profile.blocks, out, strict=True):
+        if mode not in block_options(block):
+            raise ConfigError(
+                f"block {block.name!r} has no profiled mode {mode!r}; it has {block_options(block)}."
+            )
+    return out
+
+
+def block_options(block: BlockStats) -> list[str]:
+    """The checkpointing modes a block was profiled under, cheapest-compute first."""
+    return [m for m in CHECKPOINT_MODES if m in block.saved_bytes and m in block.backward_peak_bytes]
+
+
+def micro_batch_scale(batch_size: int, micro_batches: int) -> float:
+    """Fraction of the batch's activations one micro-batch holds (the largest chunk)."""
+    if micro_batches < 1:
+        raise ConfigError(f"micro_batches must be at least 1, got {micro_batches}.")
+    if batch_size < 1:
+        return 1.0
+    return math.ceil(batch_size / micro_batches) / batch_size
+
+
+def _scaled(value: int, s: float, unscaled: int = 0) -> int:
+    """``value`` at micro-batch scale ``s``, of which ``unscaled`` bytes do not shrink."""
+    keep = max(0, min(unscaled, value))
+    return round(s * (value - keep)) + keep
+
+
+def _block_grad_bytes(block: BlockStats) -> int:
+    return block.grad_bytes or block.param_bytes
+
+
+def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
+    """The step's memory events for ``micro_batches`` micro-batches, as linear expressions.
+
+    The events are those of :class:`memfit.Profile`'s docstring: each block's forward and
+    backward, the forward and backward outside the blocks, the optimizer step. With
+    micro-batches, activations and transients scale with the (largest) part; gradients,
+    the batch itself (split into views, its storage stays whole) and parameter-gradient
+    temporaries do not.
+
+    Args:
+        profile: measured per-block costs at one precision.
+        micro_batches: the batch is split into this many parts with gradient accumulation.
+
+    Returns:
+        Events in step order: the first micro-batch's (gradients still building up), then,
+        when there are more, a later micro-batch's (all gradients already held), then the
+        optimizer step.
+    """
+    s = micro_batch_scale(profile.batch_size, micro_batches)
+    out = profile.outside
+    # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
+    # step; MemTracker then counts their whole storage, for the rest of the step.
+    fixed = profile.param_bytes + profile.optimizer_bytes + (profile.input_bytes if micro_batches > 1 else 0)
+    before = _scaled(profile.outside_before_bytes, s)
+    kept_before = _scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s)
+    early = profile.early_grad_bytes
+    # NOTE: the outside's numbers were measured with every block in one mode; they barely
+    # depend on it, and taking the largest keeps mixed plans on the safe side.
+    out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
+    out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
+    n = len(profile.blocks)
+    pairs = [(b, block_options(b)) for b in profile.blocks]
+    saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in pairs]
+    # NOTE: during the forward a block holds its saved bytes plus what only the forward's end
+    # frees (autocast's cached weight casts): ``held_bytes``; the backward sees ``saved``.
+    held = [{m: round(s * b.held_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
+    fwd = [{m: round(s * b.forward_peak_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
+    bwd = [{m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b)) for m in o} for b, o in pairs]
+    result: list[Event] = []
+    phases = (
+        [("", False)]
+        if micro_batches == 1
+        else [("first micro-batch: ", False), ("later micro-batch: ", True)]
+    )
+    for prefix, later in phases:
+        start = fixed + (profile.grad_bytes if later else 0)
+        for i, block in enumerate(profile.blocks):
+            coef = {j: dict(held[j]) for j in range(i)}
+            coef[i] = dict(fwd[i])
+            result.append(Event(f"{prefix}forward of {block.name}", start + before, coef))
+        all_held = {j: dict(held[j]) for j in range(n)}
+        all_saved = {j: dict(saved[j]) for j in range(n)}
+        result.append(Event(f"{prefix}forward outside the blocks (head, loss)", start + out_fwd, all_held))
+        result.append(Event(f"{prefix}backward outside the blocks (loss, head)", start + out_bwd, all_saved))
+        grads = profile.grad_bytes if later else early
+        for i in reversed(range(n)):
+            coef = {j: dict(saved[j]) for j in range(i)}
+            coef[i] = {m: saved[i][m] + bwd[i][m] for m in saved[i]}
+            block = profile.blocks[i]
+            result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + kept_before, coef))
+            if not later:
+                grads += _block_grad_bytes(block)
+    result.append(Event("optimizer step", fixed + profile.grad_bytes + profile.optimizer_temp_bytes))
+    return result
+
+
+def simulate(
+    profile: Profile, modes: Mapping[str, str] | Sequence[str], micro_batches: int = 1
+) -> Simulation:
+    """Predict the step's peak bytes for the given per-block modes.
+
+    Args:
+        profile: measured per-block costs at the precision the plan uses.
+        modes: ``{block name: mode}`` or a list in block order; modes are ``keep``/``none``,
+            ``selective`` or ``full``.
+        micro_batches: number of gradient-accumulation micro-batches.
+
+    Returns:
+        A :class:`Simulation` with the peak, the event where it happens and the timeline.
+    """
+    seq = normalize_modes(profile, modes)
+    timeline = [(e.label, e.value(seq)) for e in events(profile, micro_batches)]
+    label, peak = max(timeline, key=lambda t: t[1])
+    fixed = profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes + profile.optimizer_temp_bytes
+    return Simulation(peak_bytes=peak, peak_event=label, timeline=timeline, fixed_bytes=fixed)
+
+
+def block_seconds(block: BlockStats) -> dict[str, float]:
+    """Forward + backward seconds per mode, made monotone (recompute never makes it faster).
+
+    # NOTE: on a noisy machine a measured "selective" backward can come out faster than
+    # "none"; the planner would then checkpoint for nothing, so each mode costs at least the
+    # mode that recomputes less.
+    """
+    out: dict[str, float] = {}
+    floor = 0.0
+    for mode in block_options(block):
+        floor = max(floor, block.forward_seconds + block.backward_seconds.get(mode, 0.0))
+        out[mode] = floor
+    return out
+
+
+def predict_step_seconds(
+    profile: Profile, modes: Mapping[str, str] | Sequence[str], micro_batches: int = 1
+) -> float:
+    """Predicted seconds of one step: block times per mode plus the rest of the step.
+
+    The rest (outside the blocks, the optimizer) is the profile's measured step time less
+    its blocks' no-checkpointing times; micro-batching keeps the total compute (the parts
+    add up to the batch), so only the rounding of uneven parts changes it.
+    """
+    seq = normalize_modes(profile, modes)
+    s = micro_batch_scale(profile.batch_size, micro_batches) * micro_batches
+    per_block = [block_seconds(b) for b in profile.blocks]
+    plain = sum(t[block_options(b)[0]] for t, b in zip(per_block, profile.blocks, strict=True))
+    rest = max(0.0, profile.step_seconds - plain)
+    chosen = sum(t[m] for t, m in zip(per_block, seq, strict=True))
+    return rest + s * chosen
