@@ -83,8 +83,15 @@ def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimize
 
 
 def _describe(plan: Plan) -> str:
-    modes = sorted(set(plan.blocks.values())) or ["none"]
-    return f"{plan.precision}, {'/'.join(modes)} checkpointing"
+    """E.g. ``"fp32, planned under 13.3 MiB: full 3, keep 1 of 4 blocks"``."""
+    counts: dict[str, int] = {}
+    for mode in plan.blocks.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
+    blocks = f"{parts or 'no checkpointing'} of {len(plan.blocks)} blocks"
+    return f"{plan.precision}, planned{budget}: {blocks}{micro}"
 
 
 def _threads(asked: int | None) -> int:
