@@ -56,3 +56,16 @@ def test_synthetic_batches_depend_only_on_seed_and_index() -> None:
     b.load_state_dict(a.state_dict())
     assert torch.equal(a.next_batch(), b.next_batch())
     assert torch.equal(a.batch_at(0), SyntheticBatches(make, 4, seed=1).next_batch())
+
+
+def test_lr_schedule_works_for_any_number_of_steps() -> None:
+    import torch
+
+    from memfit.train.schedule import lr_schedule
+
+    for steps in range(1, 40):
+        for warm in (0, 1, max(1, steps // 20), steps):
+            opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+            sched = lr_schedule(opt, steps, warmup_steps=warm)
+            factors = [sched.lr_lambdas[0](s) for s in range(steps)]
+            assert all(0.0 < f <= 1.0 + 1e-9 for f in factors), (steps, warm, factors)

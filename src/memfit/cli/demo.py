@@ -34,6 +34,7 @@ from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.train.callbacks import MetricsLog
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.schedule import lr_schedule
 from memfit.train.trainer import Trainer
 
 HELP = "train the built-in GPT on Python's own source: the baseline, then in less memory"
@@ -77,9 +78,9 @@ def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Opt
 
 
 def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, LRScheduler]:
-    """AdamW with a one-cycle schedule (short warm-up, cosine decay) over ``steps``."""
+    """AdamW with a short linear warm-up (5% of the steps) and cosine decay over ``steps``."""
     opt = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=_LR, total_steps=steps, pct_start=0.05)
+    return opt, lr_schedule(opt, steps, warmup_steps=max(1, steps // 20))
 
 
 def _describe(plan: Plan) -> str:

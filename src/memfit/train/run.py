@@ -23,7 +23,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import sys
@@ -48,6 +47,7 @@ from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
+from memfit.train.schedule import lr_schedule
 from memfit.train.state import load_state, previous_path
 from memfit.train.trainer import Callback, Trainer
 
@@ -121,17 +121,7 @@ def _check_same_run(saved: dict[str, Any], cfg: Config, path: Path) -> None:
 
 
 def _schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    warm, total, kind = cfg.optimizer.warmup_steps, cfg.train.steps, cfg.optimizer.schedule
-
-    def factor(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind == "cosine":
-            t = min(1.0, (step - warm) / max(1, total - warm))
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return lr_schedule(optimizer, cfg.train.steps, cfg.optimizer.warmup_steps, cfg.optimizer.schedule)
 
 
 def _check_auto(cfg: Config) -> None:
