@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
+from memfit.train.build import ModelSpec
 from memfit.train.gpt import GPT, GPTConfig
+
+# NOTE: the test models are tiny; on a shared CPU, torch's intra-op threads cost more than
+# they gain (a 4-5x slowdown under load), so tests run single-threaded.
+torch.set_num_threads(1)
 
 
 def tiny_gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
@@ -95,7 +100,7 @@ class WideBlock(nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
 
 
-class UnevenMLP(nn.Module):
+class VariedMLP(nn.Module):
     """Residual blocks of very different sizes (hidden widths 16 to 512)."""
 
     def __init__(self, width: int = 32, hidden: tuple[int, ...] = (16, 512, 64, 256, 32, 128)) -> None:
@@ -156,3 +161,54 @@ def image_regression_batch(
 @pytest.fixture(autouse=True)
 def _seeded() -> None:
     torch.manual_seed(1234)
+
+
+class ResidualMLP(nn.Module):
+    """x + fc2(gelu(fc1(x))) with its own hidden width."""
+
+    def __init__(self, width: int, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, hidden)
+        self.fc2 = nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(x)))
+
+
+class UnevenMLP(nn.Module):
+    """Blocks of one class whose sizes differ (hidden widths 16, 96, 40)."""
+
+    def __init__(self, width: int = 24, hiddens: tuple[int, ...] = (16, 96, 40)) -> None:
+        super().__init__()
+        self.inp = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(ResidualMLP(width, h) for h in hiddens)
+        self.out = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def uneven_batch(batch: int = 96, width: int = 24, seed: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, width, generator=g), torch.randn(batch, 1, generator=g)
+
+
+def mismatched_spec() -> ModelSpec:
+    """A factory (``import:conftest:mismatched_spec``) whose batches do not fit its model."""
+    return ModelSpec(
+        model=UnevenMLP(),
+        loss_fn=mse_loss,
+        make_batch=lambda n, seed: (torch.randn(n, 7), torch.randn(n, 1)),
+    )
+
+
+def blockless_spec() -> ModelSpec:
+    """A factory (``import:conftest:blockless_spec``) for a model without repeated blocks."""
+    return ModelSpec(
+        model=nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)),
+        loss_fn=mse_loss,
+        make_batch=lambda n, seed: (torch.randn(n, 8), torch.randn(n, 1)),
+    )

@@ -128,6 +128,26 @@ def test_kill_9_then_resume_gives_the_same_losses_bit_for_bit(tmp_path, text_fil
     assert f"resumed from {killed_out / 'state.pt'} at step {saved_step}" in report
 
 
+@pytest.mark.slow
+def test_ctrl_c_stops_after_the_step_and_saves_it(tmp_path, text_file) -> None:
+    out = tmp_path / "interrupted"
+    cmd = [sys.executable, "-m", "memfit.cli.main", "train", str(_config(tmp_path, text_file, out))]
+    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(proc, out)
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert "stopping after this step" in stdout
+    steps = [m.step for m in read_metrics(out / "metrics.jsonl")]
+    assert steps[-1] < STEPS and steps == list(range(1, steps[-1] + 1))
+    assert load_state(out / "state.pt")["step"] == steps[-1]  # the last finished step was saved
+    assert "stopped early: interrupted (Ctrl-C)" in (out / "report.md").read_text()
+
+
 def _error(capsys, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
     assert main(argv) == 2
     captured = capsys.readouterr()
@@ -172,10 +192,17 @@ def test_model_factory_that_cannot_be_imported(capsys, tmp_path, text_file) -> N
     assert "cannot import module 'no_such_pkg.models'" in line
 
 
-def test_checkpointing_auto_needs_the_planner(capsys, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    argv = ["train", "--set", "memory.checkpointing='auto'", "--set", "memory.budget='1GiB'"]
-    line = _error(capsys, [*argv, "--set", f"train.out='{tmp_path}'"])
-    assert "needs the planner" in line
+def test_checkpointing_auto_plans_to_the_budget(capsys, tmp_path, text_file) -> None:  # type: ignore[no-untyped-def]
+    argv = [
+        "train",
+        "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2",
+        "--set", "model.block_size=16", "--set", "train.steps=2", "--set", "train.batch_size=4",
+        "--set", f"data.path='{text_file}'", "--set", "memory.checkpointing='auto'",
+    ]  # fmt: skip
+    assert main([*argv, "--set", "memory.budget='80%'", "--set", f"train.out='{tmp_path / 'a'}'"]) == 0
+    assert "planned to" in capsys.readouterr().out
+    line = _error(capsys, [*argv, "--set", "memory.budget='1KB'", "--set", f"train.out='{tmp_path / 'b'}'"])
+    assert "no plan fits the budget" in line and "AdamW state alone take" in line
 
 
 def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_path, text_file) -> None:  # type: ignore[no-untyped-def]
@@ -200,6 +227,10 @@ def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_pat
         f.truncate(state.stat().st_size - 10)
     line = _error(capsys, [*argv, "--resume"])
     assert "truncated" in line and "state.prev.pt" in line
+    config = tmp_path / "run.toml"
+    config.write_text(f"[train]\nout = '{out}'\n")
+    line = _error(capsys, ["train", "--resume", str(config)])  # the config is not taken for a state
+    assert "truncated" in line
     assert load_state(out / "state.prev.pt")["step"] == 2
     assert main([*argv, "--resume", str(out / "state.prev.pt"), "--set", "train.steps=5"]) == 0
     assert [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4, 5]
@@ -216,9 +247,26 @@ def test_resume_refuses_a_different_run(capsys, tmp_path, text_file) -> None:  #
     line = _error(capsys, [*argv, "--resume", "--set", "optimizer.lr=0.01"])
     assert "optimizer.lr" in line and "0.001" in line
     line = _error(capsys, [*argv, "--resume", "--set", "model.n_embd=32", "--set", "model.n_head=2"])
-    assert "model" in line
+    assert "model.n_embd = 16" in line and "32" in line
 
 
 def test_example_config_loads() -> None:
     cfg = load_config(TESTS.parent / "examples" / "gpt.toml")
     assert cfg.memory.checkpointing == "full" and cfg.optimizer.schedule == "cosine"
+
+
+def test_budget_verdict_in_the_report(tmp_path, text_file, capsys) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "run"
+    argv = [
+        "train", "--quiet", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
+        "--set", "model.block_size=8", "--set", "train.steps=2", "--set", f"data.path='{text_file}'",
+        "--set", f"train.out='{out}'", "--set", "memory.budget='1KB'", "--set", "model.n_layer=3",
+        "--set", "memory.checkpointing='every:2'",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    assert "is OVER memory.budget" in capsys.readouterr().err
+    report = (out / "report.md").read_text()
+    assert "OVER memory.budget" in report
+    assert "| checkpointing | full on every 2 blocks (blocks.0, blocks.2) |" in report
+    peak = next(m.peak_bytes for m in read_metrics(out / "metrics.jsonl") if m.tracked)
+    assert peak is not None and f"{peak:,}" in report

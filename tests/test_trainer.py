@@ -13,8 +13,9 @@ from memfit.checkpointing import checkpoint, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measure.memory import measure
 from memfit.records import StepMetrics
+from memfit.train.callbacks import Callback
 from memfit.train.gpt import gpt_loss
-from memfit.train.trainer import Callback, Trainer
+from memfit.train.trainer import Trainer
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 #: Accumulating micro-batch gradients sums in a different order than one big batch.
@@ -41,6 +42,7 @@ def test_fp32_fit_reports_each_step_and_loss_goes_down() -> None:
     # memory is tracked on the first steady-state step (optimizer state exists) only
     assert first.peak_bytes is None and history[1].peak_bytes is not None
     assert all(m.peak_bytes is None for m in history[2:])
+    assert [m.tracked for m in history[:3]] == [False, True, False]
     assert trainer.memory is not None and trainer.memory.peak_bytes == history[1].peak_bytes
     assert sum(trainer.memory.breakdown.values()) == trainer.memory.peak_bytes
 
@@ -198,10 +200,10 @@ def test_save_and_load_continue_bit_for_bit(tmp_path) -> None:
 
 def test_micro_batches_are_tracked_and_lower_the_peak() -> None:
     """MemTracker sees every micro-batch of a step; splitting the batch lowers the peak."""
-    batch = token_batch(batch=8)
+    batch = token_batch(batch=8, seq=16)
     peaks = {}
     for parts in (1, 4):
-        model = tiny_gpt()
+        model = tiny_gpt(n_layer=1)
         reference = copy.deepcopy(model)
         trainer = _trainer(model, micro_batches=parts)
         trainer.fit([batch] * 2, steps=2)
@@ -213,3 +215,10 @@ def test_micro_batches_are_tracked_and_lower_the_peak() -> None:
             == peaks[parts]
         )
     assert peaks[4] < peaks[1]
+
+
+def test_stateless_optimizer_still_gets_a_tracked_step() -> None:
+    model = tiny_gpt(n_layer=1)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), gpt_loss, "fp32", progress=False)
+    history = trainer.fit([token_batch(batch=2, seq=8)] * 2, steps=2)
+    assert [m.tracked for m in history] == [False, True] and history[1].peak_bytes

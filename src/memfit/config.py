@@ -132,6 +132,8 @@ class MemoryConfig:
     """Memory budget for ``checkpointing = "auto"``: ``"6GiB"``, ``"500MB"``, ``"60%"``."""
     fp32_modules: list[str] = field(default_factory=list)
     """Qualified module names kept in fp32 under autocast."""
+    on_overflow: str = "stop"
+    """Guard: ``"stop"`` (on a non-finite loss) or ``"fallback"`` (switch precision where it can)."""
 
 
 @dataclass(kw_only=True)
@@ -196,6 +198,8 @@ def _validate(cfg: Config) -> None:
         parse_bytes(cfg.memory.budget, reference=1 << 40, what="memory.budget")
     if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
         raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
+    if cfg.memory.on_overflow not in ("stop", "fallback"):
+        raise ConfigError(f"memory.on_overflow {cfg.memory.on_overflow!r} is not one of stop, fallback.")
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
         raise ConfigError(
             f"model.name {cfg.model.name!r} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "

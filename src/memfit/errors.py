@@ -8,7 +8,14 @@ catch the class they care about.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "InfeasibleBudget", "MemfitError", "StateError", "UnsupportedPrecision"]
+__all__ = [
+    "ConfigError",
+    "InfeasibleBudget",
+    "MemfitError",
+    "NonFiniteLoss",
+    "StateError",
+    "UnsupportedPrecision",
+]
 
 
 class MemfitError(Exception):
@@ -35,6 +42,23 @@ class InfeasibleBudget(MemfitError):
         super().__init__(message)
         self.minimum_bytes = int(minimum_bytes)
         self.budget_bytes = int(budget_bytes)
+
+
+class NonFiniteLoss(MemfitError):
+    """Training stopped because the loss was not finite (inf or NaN).
+
+    Attributes:
+        attribution: where the first non-finite value appeared (a
+            :class:`memfit.records.NonFinite`: module, phase, dtype), or None.
+        state_path: the file holding the last good training state, or None.
+    """
+
+    def __init__(
+        self, message: str, attribution: object | None = None, state_path: object | None = None
+    ) -> None:
+        super().__init__(message)
+        self.attribution = attribution
+        self.state_path = state_path
 
 
 class StateError(MemfitError):

@@ -23,13 +23,19 @@ __all__ = [
     "BREAKDOWN_KEYS",
     "CHECKPOINT_MODES",
     "STRATEGY_ORDER",
+    "BenchPoint",
     "BlockStats",
     "Estimate",
     "EstimateEntry",
     "MemoryReport",
+    "ModuleRange",
+    "NonFinite",
     "Plan",
+    "PrecisionCheck",
     "Profile",
     "Record",
+    "RunCurve",
+    "StabilityReport",
     "StepMetrics",
 ]
 
@@ -120,15 +126,19 @@ class BlockStats(Record):
 
     For a block:
 
-    - ``saved_bytes[m]``: total when its forward returns minus total when it starts: what
-      the block keeps alive from the end of its forward until its backward (for ``full``:
-      its input; for ``selective``: also matmul/attention/conv outputs; for ``none``:
-      everything autograd saves). Its output counts here (the next block keeps it).
+    - ``saved_bytes[m]``: bytes the block's forward created that are still alive when the
+      whole forward ends: what it keeps until its backward (for ``full``: its input; for
+      ``selective``: also matmul/attention/conv outputs; for ``none``: everything autograd
+      saves). Its output counts here when the next block keeps it.
+    - ``held_bytes[m]``: total when its forward returns minus total when it starts: the
+      saved bytes plus what it holds only until the forward ends (autocast's cached weight
+      casts, for example).
     - ``forward_peak_bytes[m]``: highest total while its forward runs minus the total when
-      it starts (so at least ``saved_bytes[m]``).
+      it starts (so at least ``held_bytes[m]``).
     - ``backward_peak_bytes[m]``: highest total while its backward runs (recompute
-      included) minus what is kept then, i.e. minus (total when its forward returned +
-      parameter gradients that exist when its backward starts). It covers the recomputed
+      included) minus what is kept then: parameters, optimizer state, the gradients that
+      exist when its backward starts, ``Profile.outside_before_kept_bytes`` and the saved
+      bytes of this block and every block before it. It covers the recomputed
       activations, the incoming and outgoing activation gradients, its own parameter
       gradients and weight-gradient temporaries.
 
@@ -137,7 +147,7 @@ class BlockStats(Record):
     - ``saved_bytes[m]``: activation total at the end of the forward minus the blocks'
       ``saved_bytes[m]``: what the outside keeps for backward (with the batch input).
     - ``forward_peak_bytes[m]``: highest (total - parameters and optimizer state - blocks'
-      saved bytes of the blocks whose forward has finished) at any moment of the forward
+      held bytes of the blocks whose forward has finished) at any moment of the forward
       outside every block: the loss and head transients on top of what the outside keeps.
     - ``backward_peak_bytes[m]``: highest (total - parameters and optimizer state - saved
       bytes of blocks not yet backwarded - gradients of blocks already backwarded) at any
@@ -169,6 +179,8 @@ class BlockStats(Record):
     backward_fixed_bytes: int = 0
     """Part of ``backward_peak_bytes``, beyond ``grad_bytes``, that does not shrink with
     micro-batches (FSDP2's gathered parameters and whole gradients before reduce-scatter)."""
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes it holds when its forward returns (saved bytes + what the forward's end frees)."""
 
 
 @dataclass
@@ -178,15 +190,18 @@ class Profile(Record):
     All bytes are MemTracker's counts on a CPU (CUDA allocator on a GPU for the measured
     peak) for one steady-state step at ``batch_size`` in ``precision``. The step holds
     ``fixed = param_bytes + optimizer_bytes`` throughout. With blocks ``0..n-1`` in forward
-    order, block ``i`` in mode ``m_i``, ``S(i) = sum(saved_bytes[m_j] for j <= i)`` and
+    order, block ``i`` in mode ``m_i``, ``S(i) = sum(saved_bytes[m_j] for j <= i)``,
+    ``H(i) = sum(held_bytes[m_j] for j <= i)`` and
     ``G(i) = early_grad_bytes + sum(grad_bytes of blocks j > i)``, the step's peak is the
     largest of:
 
-    - forward of block i: ``fixed + outside_before_bytes + S(i-1) + forward_peak_bytes[m_i]``
-    - forward outside: ``fixed + S(n-1) + outside.forward_peak_bytes[m]``
-    - backward of block i: ``fixed + G(i) + outside_before_bytes + S(i) + backward_peak_bytes[m_i]``
+    - forward of block i: ``fixed + outside_before_bytes + H(i-1) + forward_peak_bytes[m_i]``
+    - forward outside: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
+    - backward of block i: ``fixed + G(i) + outside_before_kept_bytes + S(i) + backward_peak_bytes[m_i]``
     - backward outside: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
     - optimizer step: ``fixed + grad_bytes + optimizer_temp_bytes``
+
+    :func:`memfit.measure.stepmodel.step_peak` implements this.
 
     For a uniform mode this reproduces ``measured_peak_bytes`` (mode none) to within a few
     bytes; the tests check it for every mode and for mixed modes.
@@ -217,6 +232,9 @@ class Profile(Record):
     outside_before_bytes: int = 0
     """What the outside part holds when the first block starts (embedding output, input);
     kept until the embeddings' backward, after every block's backward."""
+    outside_before_kept_bytes: int = 0
+    """What the outside keeps for backward from before the blocks (embedding output, the
+    input): alive when the forward ends and freed only after every block's backward."""
     early_grad_bytes: int = 0
     """Parameter gradients that exist when the last block's backward starts (final norm,
     head); tied weights accumulate later."""
@@ -224,6 +242,8 @@ class Profile(Record):
     """Activation total at the end of the forward with no checkpointing (blocks + outside)."""
     notes: list[str] = field(default_factory=list)
     """Caveats found while profiling (no blocks found, ops without FLOP formulas, ...)."""
+    optimizer_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    """The optimizer state split by dtype, e.g. ``{"float32": ...}`` (step counters included)."""
 
 
 @dataclass
@@ -243,6 +263,51 @@ class Plan(Record):
     budget_bytes: int = 0
     measured_peak_bytes: int = 0
     """The plan's peak as measured when it was made (0: not measured)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the plan (e.g. BatchNorm sees micro-batches)."""
+
+
+@dataclass
+class BenchPoint(Record):
+    """One strategy measured by :func:`memfit.bench`: its peak bytes, step time and FLOPs.
+
+    Ratios are to ``baseline`` (normally ``fp32/none``) measured in the same run. A strategy
+    that could not run has ``error`` set (the reason); it has no ratios and is never on the
+    front (numbers measured before it failed, such as its peak, are kept).
+    """
+
+    strategy: str
+    precision: str
+    checkpointing: str
+    peak_bytes: int = 0
+    """Peak bytes of one steady-state step, from the same tracking as ``memfit.measure``."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """The peak split into :data:`BREAKDOWN_KEYS`."""
+    step_seconds: float = 0.0
+    """Median of the timed steps."""
+    step_times: list[float] = field(default_factory=list)
+    """Every timed step, in seconds, in the order they ran (interleaved with the others)."""
+    flops: int = 0
+    """FLOPs of one step (forward, backward with recompute), by FlopCounterMode."""
+    peak_ratio: float = 0.0
+    """``peak_bytes`` over the baseline's."""
+    time_ratio: float = 0.0
+    """``step_seconds`` over the baseline's."""
+    recompute_fraction: float = 0.0
+    """``flops`` over the FLOPs of the same precision without checkpointing (1.0: no recompute)."""
+    on_front: bool = False
+    """No other strategy is both smaller (or equal) and faster (or equal), one of them strictly."""
+    baseline: str = ""
+    micro_batches: int = 1
+    device: str = "cpu"
+    tracker: str = "MemTracker"
+    error: str = ""
+    """Why the strategy failed; empty when it ran."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the strategy ran and was measured."""
+        return not self.error
 
 
 @dataclass
@@ -267,6 +332,108 @@ class StepMetrics(Record):
     tokens_per_s: float = 0.0
     peak_bytes: int | None = None
     val_loss: float | None = None
+    tracked: bool = False
+    """MemTracker watched this step (it ran slower; timings leave it out)."""
+
+
+@dataclass
+class NonFinite(Record):
+    """Where the first non-finite value (inf or NaN) of a step appeared."""
+
+    module: str
+    """Qualified module name (``""`` is the model itself; ``"<loss>"`` the loss function)."""
+    phase: str
+    """``"forward"``, ``"loss"`` or ``"backward"``."""
+    dtype: str
+    """The dtype of the tensor that held it, e.g. ``"float16"``."""
+    value: str = "inf"
+    """``"inf"`` or ``"nan"``."""
+    step: int = 0
+    """The training step (1-based) it appeared in, 0 when not known."""
+
+
+@dataclass
+class ModuleRange(Record):
+    """How close one module's values came to the limits of fp16."""
+
+    module: str
+    dtype: str
+    """The dtype of the module's output under the checked precision."""
+    max_abs: float | None
+    """Largest absolute output value seen (None: non-finite)."""
+    fp16_fraction: float | None
+    """``max_abs / 65504`` (fp16's largest value): 1 or more overflows to inf."""
+    grad_underflow_fraction: float | None = None
+    """Fraction of non-zero output-gradient values that fp16 flushes to zero at the loss scale."""
+
+
+@dataclass
+class RunCurve(Record):
+    """One training run of a stability check: what each step did."""
+
+    name: str
+    precision: str
+    losses: list[float | None] = field(default_factory=list)
+    """Training loss per step (None: not finite)."""
+    grad_norms: list[float | None] = field(default_factory=list)
+    """Gradient norm per step after unscaling (None: not finite)."""
+    scales: list[float] = field(default_factory=list)
+    """Loss scale used at each step (1.0 without a scaler)."""
+    skipped: list[bool] = field(default_factory=list)
+    """Steps the loss scaler skipped."""
+    eval_loss: float | None = None
+    """Loss of the final weights on the evaluation batches, computed in fp32."""
+    seconds: float = 0.0
+
+
+@dataclass
+class PrecisionCheck(Record):
+    """The verdict on one precision against fp32, with the numbers behind it."""
+
+    precision: str
+    verdict: str
+    """``"PASS"``, ``"WARN"`` or ``"FAIL"``."""
+    reasons: list[str]
+    run: RunCurve
+    loss_delta: float | None = None
+    """``|eval_loss - fp32 eval_loss|`` (None: not finite)."""
+    band_multiple: float | None = None
+    """``loss_delta`` divided by the noise band."""
+    grad_norm_ratio: float | None = None
+    """Median over steps of this run's gradient norm over fp32's."""
+    param_drift: float | None = None
+    """``||w - w_fp32|| / ||w_fp32 - w_0||``: distance to the fp32 weights, relative to how far fp32 moved."""
+    skipped_steps: int = 0
+    final_scale: float = 1.0
+    first_nonfinite: NonFinite | None = None
+    modules: list[ModuleRange] = field(default_factory=list)
+    """Per-module ranges (fp16), the closest to overflow first."""
+    reference_run: RunCurve | None = None
+    """The fp32 run compared with when the loss scaler skipped steps: it skips the same steps."""
+
+
+@dataclass
+class StabilityReport(Record):
+    """Mixed precision against fp32: one verdict per precision and the overall one."""
+
+    verdict: str
+    by_precision: dict[str, PrecisionCheck]
+    reference: RunCurve
+    """The fp32 run every precision is compared with."""
+    noise: RunCurve
+    """A second fp32 run with another data order and seed: its distance is the noise band."""
+    noise_band: float
+    """How far two fp32 runs differ in final evaluation loss (floored, see thresholds)."""
+    noise_param_drift: float | None = None
+    """``param_drift`` of the second fp32 run, for scale."""
+    steps: int = 0
+    device: str = "cpu"
+    hardware: list[str] = field(default_factory=list)
+    """Device facts the check depends on (e.g. that fp16 is emulated here)."""
+    thresholds: dict[str, float] = field(default_factory=dict)
+    checkpointing: dict[str, str] = field(default_factory=dict)
+    """Blocks checkpointed in the mixed-precision runs, ``{name: mode}``."""
+    micro_batches: int = 1
 
 
 #: Strategies from fastest-looking to slowest-looking: lower precision first (tensor-core
@@ -308,7 +475,8 @@ class Estimate(Record):
     """Bytes available on the target device, if given."""
     assumptions: list[str] = field(default_factory=list)
     profiles: dict[str, Profile] = field(default_factory=dict)
-    """Per precision, the memory part of a :class:`Profile` (for planning without running)."""
+    """Per precision, the memory numbers of a :class:`Profile` (times and FLOPs are 0), for
+    planning a model too large to run; ``measured_peak_bytes`` is 0 (nothing was measured)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
 

@@ -101,3 +101,22 @@ def test_fsdp2_per_rank_peak_within_plan_prediction() -> None:
         assert any(mode != "keep" for mode in r["blocks"].values()), "the plan must checkpoint something"
         assert r["measured"] <= r["predicted"] * (1 + PEAK_SLACK), r
         assert r["measured"] >= 0.8 * r["predicted"], f"prediction far above the measured peak: {r}"
+
+
+def test_auto_checkpointing_refused_under_torchrun(tmp_path: Path) -> None:
+    from memfit.config import load_config
+    from memfit.errors import ConfigError
+    from memfit.train.run import train_from_config
+
+    cfg = load_config(
+        None,
+        [
+            "memory.checkpointing='auto'",
+            "memory.budget='60%'",
+            "train.distributed='ddp'",
+            f"train.out='{tmp_path / 'out'}'",
+        ],
+    )
+    with pytest.raises(ConfigError, match="plans for one process"):
+        train_from_config(cfg, progress=False, echo=lambda _: None)
+    assert not (tmp_path / "out").exists(), "nothing may be written before the refusal"

@@ -7,8 +7,10 @@ table compares their peak memory (exact bytes from PyTorch's tracking), step tim
 ratio), and losses; ``report.md``, ``metrics.jsonl``, ``loss.png`` and ``memory.png`` go to
 ``--out``.
 
-Trade-off: the memory-saving configuration is fixed here (full activation checkpointing
-in fp32: on a CPU bf16 is emulated and slow); on a GPU the planner will choose it.
+The memfit run trains in the plan :func:`memfit.plan` chooses for ``--budget`` (default 60%
+of the baseline's peak): per-block checkpointing, precision (on a CPU, where bf16 is only
+emulated, it stays fp32) and micro-batches. Trade-off: planning profiles the model first,
+a few seconds before training starts.
 """
 
 from __future__ import annotations
@@ -16,22 +18,23 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from memfit.budget import format_bytes
-from memfit.checkpointing import checkpoint, find_blocks
 from memfit.errors import ConfigError
-from memfit.records import MemoryReport, Plan, StepMetrics
+from memfit.plan.planner import apply, plan
+from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
 from memfit.report.table import markdown_table, text_table
-from memfit.report.training import memory_rows, summarize
+from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.train.callbacks import MetricsLog
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.train.schedule import lr_schedule
 from memfit.train.trainer import Trainer
 
 HELP = "train the built-in GPT on Python's own source: the baseline, then in less memory"
@@ -47,7 +50,7 @@ _LR = 2e-3
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--steps``, ``--baseline-steps``, ``--out``, ``--threads`` and ``--quiet``."""
     parser.add_argument(
-        "--steps", type=int, default=300, help="training steps of the memfit run (default 300)"
+        "--steps", type=int, default=250, help="training steps of the memfit run (default 250)"
     )
     parser.add_argument(
         "--baseline-steps", type=int, default=10, help="steps of the baseline, run side by side (default 10)"
@@ -60,27 +63,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU threads (default: 1 when the CPU is busy, else torch's)",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument(
+        "--budget",
+        default="60%",
+        help="memory budget the planner fits the memfit run to (default 60%% of the baseline's peak)",
+    )
 
 
-def _memory_saving_plan(model: torch.nn.Module) -> Plan:
-    """The configuration the memfit run trains in, as a Plan applied to ``model``.
-
-    NOTE: this is the one place the planner will replace: ``plan = memfit.plan(model,
-    batch, gpt_loss, budget, optimizer)`` and ``memfit.apply(model, plan)``.
-    """
-    checkpoint(model, mode="full")
-    return Plan(blocks={name: "full" for name in find_blocks(model)}, precision="fp32", micro_batches=1)
+def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
+    """The planner's fastest plan under ``budget`` for the memfit run, applied to ``model``."""
+    chosen = plan(model, batch, gpt_loss, budget, opt, precision="auto")
+    apply(model, chosen)
+    return chosen
 
 
 def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimizer, LRScheduler]:
-    """AdamW with a one-cycle schedule (short warm-up, cosine decay) over ``steps``."""
+    """AdamW with a short linear warm-up (5% of the steps) and cosine decay over ``steps``."""
     opt = torch.optim.AdamW(model.parameters(), lr=_LR, weight_decay=0.1)
-    return opt, torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=_LR, total_steps=steps, pct_start=0.05)
+    return opt, lr_schedule(opt, steps, warmup_steps=max(1, steps // 20))
 
 
 def _describe(plan: Plan) -> str:
-    modes = sorted(set(plan.blocks.values())) or ["none"]
-    return f"{plan.precision}, {'/'.join(modes)} checkpointing"
+    """E.g. ``"fp32, planned under 13.3 MiB: full 3, keep 1 of 4 blocks"``."""
+    counts: dict[str, int] = {}
+    for mode in plan.blocks.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+    budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
+    blocks = f"{parts or 'no checkpointing'} of {len(plan.blocks)} blocks"
+    return f"{plan.precision}, planned{budget}: {blocks}{micro}"
 
 
 def _threads(asked: int | None) -> int:
@@ -88,12 +100,6 @@ def _threads(asked: int | None) -> int:
         return max(1, asked)
     busy = hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
     return 1 if busy else torch.get_num_threads()
-
-
-def _median_seconds(history: list[StepMetrics]) -> float:
-    """Median of the untracked steps after the first (MemTracker slows the tracked one)."""
-    timed = [m.seconds for m in history[1:] if m.peak_bytes is None]
-    return statistics.median(timed) if timed else float("nan")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -111,10 +117,10 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     base_model = GPT(_MODEL)
     model = copy.deepcopy(base_model)
-    plan = _memory_saving_plan(model)
     base_opt, base_schedule = _optimizer(base_model, args.steps)
     base = Trainer(base_model, base_opt, gpt_loss, "fp32", clip_norm=1.0, scheduler=base_schedule)
     opt, schedule = _optimizer(model, args.steps)
+    plan = _memory_saving_plan(model, sampler.batch_at(0), opt, args.budget)
     main = Trainer(
         model,
         opt,
@@ -154,7 +160,7 @@ def _finish(
     k = args.baseline_steps
     paired = main.history[:k]
     diff = max(abs(a.loss - b.loss) for a, b in zip(base.history, paired, strict=True))
-    t_base, t_main = _median_seconds(base.history), _median_seconds(paired)
+    t_base, t_main = median_step_seconds(base.history), median_step_seconds(paired)
     s = summarize(main.history)
     mem: dict[str, MemoryReport] = {"baseline": base.memory, "memfit": main.memory}
     ratio = main.memory.peak_bytes / base.memory.peak_bytes

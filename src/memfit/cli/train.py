@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.cli.common import add_config_arguments, config_from_args
-from memfit.train.run import train_from_config
+from memfit.train.run import INTERRUPTED, train_from_config
 
 HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
 
@@ -23,16 +23,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="STATE",
         help="continue from a saved training state (default: state.pt in train.out)",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no per-evaluation lines")
 
 
 def run(args: argparse.Namespace) -> int:
-    """Train; returns 0 (user errors raise MemfitError, which the CLI turns into exit code 2)."""
+    """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+    if args.config is None and args.resume and args.resume.endswith(".toml"):
+        # NOTE: `memfit train --resume CONFIG.toml`: argparse gives the config to --resume.
+        args.config, args.resume = args.resume, "auto"
     cfg = config_from_args(args)
-    train_from_config(
+    result = train_from_config(
         cfg,
         resume=args.resume,
         progress=False if args.quiet else None,
         echo=(lambda _line: None) if args.quiet else print,
+        overwrite=args.overwrite,
     )
-    return 0
+    return 130 if result.trainer.stop_reason == INTERRUPTED else 0

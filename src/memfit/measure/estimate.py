@@ -37,13 +37,18 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
-from memfit._forward import set_forward_layer
 from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measure.batchcheck import batch_errors
-from memfit.measure.phases import StepMemory, _PhaseTracker, grad_bytes_of, phased_step
+from memfit.measure.phases import (
+    StepMemory,
+    optimizer_state_bytes,
+    phased_step,
+)
 from memfit.measure.profile import profile_from_memory
+from memfit.measure.repeated_blocks import fast_profiles, identical, outputs_keep_shape
+from memfit.measure.stepmodel import step_peak
 from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, CHECKPOINT_MODES, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
@@ -51,7 +56,6 @@ from memfit.step import Batch, LossFn, batch_size
 __all__ = ["estimate"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-_SKIP = "estimate-skip"
 
 
 def _fake_precision(mode: str, device: torch.device) -> Precision:
@@ -77,141 +81,6 @@ def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -
         breakdown={k: int(parts.get(k, 0)) for k in BREAKDOWN_KEYS},
         activation_bytes=int(mem.forward_end - mem.start),
     )
-
-
-def _identical(model: nn.Module, blocks: list[str]) -> bool:
-    """True when every block has the same class and the same parameter and buffer shapes."""
-
-    def signature(name: str) -> tuple[Any, ...]:
-        m = model.get_submodule(name)
-        tensors = [*m.named_parameters(), *m.named_buffers()]
-        return (type(m), tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in tensors))
-
-    first = signature(blocks[0])
-    return all(signature(b) == first for b in blocks[1:])
-
-
-def _pass_through(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return args[0]
-
-
-def _set_skipped(model: nn.Module, blocks: list[str], skipped: bool) -> None:
-    for name in blocks:
-        set_forward_layer(model.get_submodule(name), _SKIP, _pass_through if skipped else None)
-
-
-def _outputs_keep_shape(model: nn.Module, name: str, batch: Batch, loss_fn: LossFn) -> bool:
-    """Whether block ``name`` returns a tensor shaped like its first input (a residual block)."""
-    seen: list[bool] = []
-
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        first = args[0] if args else None
-        seen.append(
-            isinstance(first, torch.Tensor)
-            and isinstance(output, torch.Tensor)
-            and output.shape == first.shape
-            and output.dtype == first.dtype
-        )
-
-    handle = model.get_submodule(name).register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            loss_fn(model, batch)
-    finally:
-        handle.remove()
-    return bool(seen) and all(seen)
-
-
-def _uniform(prof: Profile, n: int, mode: str) -> tuple[int, dict[str, int]]:
-    """Peak and breakdown of ``n`` copies of ``prof.blocks[-1]`` in ``mode`` (Profile's formula)."""
-    b, out = prof.blocks[-1], prof.outside
-    fixed = {"params": prof.param_bytes, "optimizer": prof.optimizer_bytes}
-    saved, before = b.saved_bytes[mode], prof.outside_before_bytes
-    cands: list[dict[str, int]] = [
-        {"grads": prof.grad_bytes, "activations": 0, "temporaries": prof.optimizer_temp_bytes},
-        {"grads": 0, "activations": n * saved, "temporaries": out.forward_peak_bytes[mode]},
-        {"grads": 0, "activations": n * saved, "temporaries": out.backward_peak_bytes[mode]},
-    ]
-    for i in range(n):
-        cands.append(
-            {"grads": 0, "activations": before + i * saved, "temporaries": b.forward_peak_bytes[mode]}
-        )
-        grads = prof.early_grad_bytes + (n - 1 - i) * b.grad_bytes
-        cands.append(
-            {
-                "grads": grads,
-                "activations": before + (i + 1) * saved,
-                "temporaries": b.backward_peak_bytes[mode],
-            }
-        )
-    best = max(cands, key=lambda c: sum(c.values()))
-    parts = {**fixed, **best}
-    return sum(parts.values()), {k: parts[k] for k in BREAKDOWN_KEYS}
-
-
-def _fast_profiles(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
-    blocks: list[str],
-    precisions: list[str],
-    modes: list[str],
-    device: torch.device,
-) -> dict[str, Profile]:
-    """Profiles of identical blocks from steps that run only the first two of them.
-
-    NOTE: a block's numbers do not depend on how many identical blocks run before and
-    after it (each is a difference taken at its own boundaries, and the tests check the
-    sums against measured peaks), so the other blocks pass their input through: the step
-    costs two blocks instead of all of them. The optimizer step, which does not depend on
-    the blocks, is tracked separately with every gradient present.
-    """
-    active = blocks[:2]
-    _set_skipped(model, blocks[2:], True)
-    try:
-        profiles = {}
-        for precision in precisions:
-            prec = _fake_precision(precision, device)
-            per_mode = {}
-            for mode in modes:
-                set_block_modes(model, {b: mode for b in active})
-                per_mode[mode] = phased_step(
-                    model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
-                )
-            short = profile_from_memory(model, active, per_mode, precision, batch_size(batch))
-            rep = short.blocks[-1]
-            short.blocks = [dataclasses.replace(rep, name=b) for b in blocks]
-            short.param_bytes = _param_bytes(model)
-            short.grad_bytes = grad_bytes_of(model)
-            profiles[precision] = short
-    finally:
-        _set_skipped(model, blocks[2:], False)
-    temp = _optimizer_temp(model, optimizer)
-    for prof in profiles.values():
-        prof.optimizer_temp_bytes = temp
-    return profiles
-
-
-def _param_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-
-
-def _optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Highest bytes above parameters, gradients and state during ``optimizer.step()``."""
-    if optimizer is None:
-        return 0
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    tracker = _PhaseTracker(next(p.device for p in model.parameters()), {}, {})
-    tracker.track_external(model, optimizer)
-    with tracker:
-        tracker.enter_phase("optimizer")
-        start = tracker.total()
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return max(0, tracker.phase_peak["optimizer"] - start)
 
 
 def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -275,6 +144,10 @@ def estimate(
     blocks = find_blocks(model)
     if not blocks:
         modes = ["none"]
+    # NOTE: fp16 and bf16 have the same element size and autocast casts the same ops to
+    # either, so their memory is the same (loss scaling aside): fp16 is not run again.
+    derived = "fp16" in precisions and "bf16" in precisions
+    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
     entries: list[EstimateEntry] = []
     with fake:
         model.train()
@@ -282,24 +155,40 @@ def estimate(
         with batch_errors(model, batch):
             fast = (
                 len(blocks) > 2
-                and _identical(model, blocks)
-                and _outputs_keep_shape(model, blocks[-1], fake_batch, loss_fn)
+                and identical(model, blocks)
+                and outputs_keep_shape(model, blocks[-1], fake_batch, loss_fn)
             )
         if fast:
-            profiles = _fast_profiles(
-                model, fake_batch, loss_fn, optimizer, blocks, precisions, modes, device
+            profiles = fast_profiles(
+                model,
+                fake_batch,
+                loss_fn,
+                optimizer,
+                blocks,
+                run_precisions,
+                modes,
+                lambda p: _fake_precision(p, device),
             )
-            for precision in precisions:
+            for precision in run_precisions:
                 for mode in modes:
-                    peak, parts = _uniform(profiles[precision], len(blocks), mode)
+                    peak, parts = step_peak(profiles[precision], mode)
                     acts = profiles[precision].outside.saved_bytes[mode] + sum(
                         b.saved_bytes[mode] for b in profiles[precision].blocks
                     )
                     entries.append(EstimateEntry(precision, mode, peak, parts, acts))
         else:
             profiles = _direct(
-                model, fake_batch, loss_fn, optimizer, blocks, precisions, modes, device, entries
+                model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device, entries
             )
+        if derived:
+            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
+            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
+        rank = {p: i for i, p in enumerate(precisions)}
+        entries.sort(key=lambda e: rank[e.precision])
+    by_dtype = optimizer_state_bytes(optimizer)
+    for prof in profiles.values():
+        prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = dict(by_dtype)
     return Estimate(
         model=type(model).__name__,
         param_count=sum(p.numel() for p in model.parameters()),
@@ -308,7 +197,7 @@ def estimate(
         optimizer=type(optimizer).__name__ if optimizer is not None else "none",
         entries=entries,
         device_memory=memory,
-        assumptions=_assumptions(device, optimizer, blocks, fast),
+        assumptions=_assumptions(device, optimizer, blocks, fast, derived),
         profiles=profiles,
         seconds=time.perf_counter() - started,
     )
@@ -349,7 +238,9 @@ def _direct(
     return profiles
 
 
-def _assumptions(device: torch.device, optimizer: Any, blocks: list[str], fast: bool) -> list[str]:
+def _assumptions(
+    device: torch.device, optimizer: Any, blocks: list[str], fast: bool, derived: bool
+) -> list[str]:
     out = [
         f"Counts are PyTorch's MemTracker bytes for the {device.type.upper()} kernels of this "
         "machine (e.g. its attention kernel); a GPU adds allocator rounding, cuBLAS/cuDNN "
@@ -365,6 +256,11 @@ def _assumptions(device: torch.device, optimizer: Any, blocks: list[str], fast: 
         out.append(f"Optimizer: {type(optimizer).__name__} with {state} per parameter, as configured.")
     else:
         out.append("No optimizer: forward and backward only.")
+    if derived:
+        out.append(
+            "fp16 has bf16's element size and autocast op lists, so its numbers are bf16's "
+            "(fp16 was not run separately)."
+        )
     if fast:
         out.append(
             f"The {len(blocks)} blocks are identical: two ran, the rest passed their input "

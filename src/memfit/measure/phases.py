@@ -25,20 +25,23 @@ Example:
 from __future__ import annotations
 
 import copy
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 
 from memfit.measure.memory import _device_of, _parts
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, training_step
 
-__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "phased_step"]
+__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "optimizer_state_bytes", "phased_step"]
 
 PHASES = ("forward", "backward", "optimizer")
+_BEFORE, _AFTER = "<outside before>", "<outside after>"
 
 
 @dataclass
@@ -88,6 +91,24 @@ class StepMemory:
     """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside blocks."""
     early_grads: int = 0
     """Gradient bytes that exist when the first block's backward (the last block) starts."""
+    saved: dict[str, int] = field(default_factory=dict)
+    """Per block: bytes it created in its forward that are still alive when the forward ends."""
+    outside_before_kept: int = 0
+    """Bytes alive when the forward ends that were not created by a block nor by the outside
+    after the last block (embedding outputs, the input batch)."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of the optimizer's state tensors by dtype name (``{"float32": ...}``)."""
+    out: dict[str, int] = {}
+    if optimizer is None:
+        return out
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                key = str(value.dtype).removeprefix("torch.")
+                out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out
 
 
 def grad_bytes_of(module: nn.Module) -> int:
@@ -110,7 +131,13 @@ class _PhaseTracker(MemTracker):
         self._grads = grads  # block name -> grad bytes
         self._block_fqns: set[str] = set()
         self._saved: dict[str, int] = {}
+        self._start = 0
         self._stats: dict[str, Any] = {}
+        self._fqn_names: dict[str, str] = {}
+        self._owner: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._blocks_done = 0
+        self._before: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.saved_alive: dict[str, int] = {}
 
     def total(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get(_TOTAL_KEY, 0))
@@ -126,7 +153,9 @@ class _PhaseTracker(MemTracker):
         self.phase_peak[phase] = self.total()
         self.phase_snap[phase] = copy.deepcopy(self._curr_mem_snap.get(self.device, {}))
         if phase == "forward":
-            self.kept = self.total()
+            self.kept = self._start = self.total()
+            # parameters, buffers, optimizer state: never owned by a part of the forward
+            self._before = weakref.WeakSet(winfo for winfo, _ in self._WINFO.values())
 
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         super()._pre_fw_hook(module, inputs)
@@ -134,6 +163,7 @@ class _PhaseTracker(MemTracker):
         self._stats[stats.mod_fqn] = stats
         if id(module) in self._blocks:
             self._block_fqns.add(stats.mod_fqn)
+            self._fqn_names[stats.mod_fqn] = self._blocks[id(module)]
 
     def _post_fw_hook(self, module: nn.Module, inputs: Any, outputs: Any) -> None:
         super()._post_fw_hook(module, inputs, outputs)
@@ -145,6 +175,34 @@ class _PhaseTracker(MemTracker):
             )
             self._saved[name] = saved
             self.kept += saved
+            self._blocks_done += 1
+
+    def _track(self, reftype: Any, t: torch.Tensor) -> None:
+        super()._track(reftype, t)
+        if self.phase != "forward":
+            return
+        # NOTE: every storage the forward creates is owned by the block running then, or by
+        # the outside (before / after the last block); what is still alive when the forward
+        # ends is what each part keeps for backward.
+        active = self._block_fqns & self._mod_tracker.parents
+        if active:
+            owner = self._fqn_names[max(active, key=len)]
+        else:
+            owner = _AFTER if self._blocks and self._blocks_done >= len(self._blocks) else _BEFORE
+        for st in get_untyped_storages(t):
+            winfo = self._WINFO.get(st, (None, None))[0]
+            if winfo is not None and winfo not in self._owner and winfo not in self._before:
+                self._owner[winfo] = owner
+
+    def close_forward(self) -> None:
+        """At the end of the forward: what each part keeps; backward bookkeeping starts from it."""
+        alive: dict[str, int] = {}
+        for winfo, owner in list(self._owner.items()):
+            alive[owner] = alive.get(owner, 0) + int(winfo.mem_consumed)
+        self.saved_alive = alive
+        for name in self._saved:
+            self._saved[name] = alive.get(name, 0)
+        self.kept = self._start + sum(self._saved.values())
 
     def _post_bw_hook(self, module: nn.Module, args: Any) -> None:
         super()._post_bw_hook(module, args)
@@ -237,6 +295,7 @@ def phased_step(
 
     def _after_forward() -> None:
         marks["forward_end"] = tracker.total()
+        tracker.close_forward()
         tracker.enter_phase("backward")
 
     def _after_backward() -> None:
@@ -270,4 +329,9 @@ def phased_step(
         outside_forward_peak=max(0, tracker.outside_peak["forward"]),
         outside_backward_peak=max(0, tracker.outside_peak["backward"]),
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
+        saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
+        outside_before_kept=marks.get("forward_end", start)
+        - start
+        - sum(tracker.saved_alive.get(b, 0) for b in blocks)
+        - tracker.saved_alive.get(_AFTER, 0),
     )

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.measure.batchcheck import checked_step, tensor_bytes
 from memfit.measure.memory import _device_of, measure
-from memfit.measure.phases import StepMemory, grad_bytes_of, phased_step
+from memfit.measure.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
 from memfit.measure.state import preserved
 from memfit.precision import Precision, as_precision
 from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
@@ -154,10 +154,13 @@ def profile_from_memory(
         module = model.get_submodule(name)
         st = BlockStats(name=name, param_bytes=_param_bytes(module), grad_bytes=grad_bytes_of(module))
         for mode in modes:
-            b = memory[mode].blocks[i]
-            st.saved_bytes[mode] = b.forward_end - b.forward_start
+            mem = memory[mode]
+            b = mem.blocks[i]
+            kept = mem.start + mem.outside_before_kept + sum(mem.saved[n] for n in blocks[: i + 1])
+            st.saved_bytes[mode] = mem.saved[name]
+            st.held_bytes[mode] = b.forward_end - b.forward_start
             st.forward_peak_bytes[mode] = b.forward_peak - b.forward_start
-            st.backward_peak_bytes[mode] = b.backward_peak - b.forward_end - b.backward_grads
+            st.backward_peak_bytes[mode] = b.backward_peak - b.backward_grads - kept
         stats.append(st)
     block_params = sum(s.param_bytes for s in stats)
     outside = BlockStats(
@@ -182,6 +185,7 @@ def profile_from_memory(
         optimizer_bytes=base.start_parts["optimizer"],
         optimizer_temp_bytes=max(0, base.phase_peaks.get("optimizer", 0) - base.backward_end),
         outside_before_bytes=first,
+        outside_before_kept_bytes=base.outside_before_kept,
         early_grad_bytes=base.early_grads,
         activation_bytes=base.forward_end - base.start,
     )
@@ -244,6 +248,7 @@ def profile(
             model.train()
             uncheckpoint(model)
             checked_step(model, batch, loss_fn, optimizer, prec)
+            by_dtype = optimizer_state_bytes(optimizer)
             fw_flops = _flops(model, batch, loss_fn, prec, grad=False)
             for mode in modes:
                 if blocks:
@@ -279,6 +284,7 @@ def profile(
         bw_blocks = sum(b.backward_seconds[mode] for b in prof.blocks)
         out.backward_seconds[mode] = max(0.0, times[mode][1][_BACKWARD] - bw_blocks)
     prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+    prof.optimizer_bytes_by_dtype = by_dtype
     prof.input_bytes = tensor_bytes(batch)
     prof.measured_peak_bytes = base.peak_bytes
     prof.step_seconds = base.step_seconds

@@ -191,8 +191,7 @@ def plan(
     """
     device = _device(model)
     wanted = _candidates(precision, device)
-    if isinstance(budget, str) and not budget.strip().endswith("%"):
-        parse_bytes(budget)  # refuse a bad budget before any profiling
+    parse_bytes(budget, reference=2**50)  # refuse a bad budget before any profiling
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
@@ -212,11 +211,23 @@ def plan(
         if check:
             result = _checked(model, batch, loss_fn, optimizer, profs, result)
         result.budget_bytes = budget_bytes
+        result.notes = _notes(model, result)
         return result
     finally:
         uncheckpoint(model)
         if before:
             set_block_modes(model, before)
+
+
+def _notes(model: nn.Module, result: Plan) -> list[str]:
+    notes = []
+    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if result.micro_batches > 1 and norms:
+        notes.append(
+            f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
+            f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
+        )
+    return notes
 
 
 def _checked(
@@ -230,8 +241,8 @@ def _checked(
     """Measure the plan; while it is over budget, re-plan under the budget less the excess.
 
     # NOTE: the simulator assumes blocks are additive; where they are not (tensors held
-    # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. The
-    # excess, measured, becomes a safety margin, so the returned plan was seen to fit.
+    # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That
+    # error, measured, becomes a safety margin, so the returned plan was seen to fit.
     """
     budget = result.budget_bytes
     margin = 0
@@ -243,7 +254,8 @@ def _checked(
         result.measured_peak_bytes = measured
         if measured <= budget:
             return result
-        margin += measured - budget
+        # The simulator's error on this plan, or (if that is not enough) a step further.
+        margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
         try:
             result = plan_from_profiles(
                 profiles, budget - margin, result.baseline_peak_bytes, result.baseline_step_seconds

@@ -151,23 +151,30 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
     """
     s = micro_batch_scale(profile.batch_size, micro_batches)
     out = profile.outside
-    fixed = profile.param_bytes + profile.optimizer_bytes
-    before = _scaled(profile.outside_before_bytes, s, profile.input_bytes)
+    # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
+    # step; MemTracker then counts their whole storage, for the rest of the step.
+    fixed = profile.param_bytes + profile.optimizer_bytes + (profile.input_bytes if micro_batches > 1 else 0)
+    before = _scaled(profile.outside_before_bytes, s)
+    kept_before = _scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s)
     early = profile.early_grad_bytes
     # NOTE: the outside's numbers were measured with every block in one mode; they barely
     # depend on it, and taking the largest keeps mixed plans on the safe side.
     out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
     out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
     n = len(profile.blocks)
-    opts = [block_options(b) for b in profile.blocks]
-    saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in zip(profile.blocks, opts, strict=True)]
+    pairs = [(b, block_options(b)) for b in profile.blocks]
+    saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in pairs]
+    # NOTE: during the forward a block holds its saved bytes plus what only the forward's end
+    # frees (autocast's cached weight casts): ``held_bytes``; the backward sees ``saved``.
+    held = [{m: round(s * b.held_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
+    # NOTE: FSDP2's gathered parameters (``*_fixed_bytes``) do not shrink with micro-batches.
     fwd = [
         {m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes) for m in o}
-        for b, o in zip(profile.blocks, opts, strict=True)
+        for b, o in pairs
     ]
     bwd = [
         {m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b) + b.backward_fixed_bytes) for m in o}
-        for b, o in zip(profile.blocks, opts, strict=True)
+        for b, o in pairs
     ]
     result: list[Event] = []
     phases = (
@@ -176,24 +183,21 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
         else [("first micro-batch: ", False), ("later micro-batch: ", True)]
     )
     for prefix, later in phases:
-        held = profile.grad_bytes if later else 0
+        start = fixed + (profile.grad_bytes if later else 0)
         for i, block in enumerate(profile.blocks):
-            coef = {j: dict(saved[j]) for j in range(i)}
+            coef = {j: dict(held[j]) for j in range(i)}
             coef[i] = dict(fwd[i])
-            result.append(Event(f"{prefix}forward of {block.name}", fixed + held + before, coef))
-        every = {j: dict(saved[j]) for j in range(n)}
-        result.append(
-            Event(f"{prefix}forward outside the blocks (head, loss)", fixed + held + out_fwd, every)
-        )
-        result.append(
-            Event(f"{prefix}backward outside the blocks (loss, head)", fixed + held + out_bwd, every)
-        )
+            result.append(Event(f"{prefix}forward of {block.name}", start + before, coef))
+        all_held = {j: dict(held[j]) for j in range(n)}
+        all_saved = {j: dict(saved[j]) for j in range(n)}
+        result.append(Event(f"{prefix}forward outside the blocks (head, loss)", start + out_fwd, all_held))
+        result.append(Event(f"{prefix}backward outside the blocks (loss, head)", start + out_bwd, all_saved))
         grads = profile.grad_bytes if later else early
         for i in reversed(range(n)):
             coef = {j: dict(saved[j]) for j in range(i)}
             coef[i] = {m: saved[i][m] + bwd[i][m] for m in saved[i]}
             block = profile.blocks[i]
-            result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + before, coef))
+            result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + kept_before, coef))
             if not later:
                 grads += _block_grad_bytes(block)
     result.append(Event("optimizer step", fixed + profile.grad_bytes + profile.optimizer_temp_bytes))

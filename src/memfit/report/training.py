@@ -22,7 +22,7 @@ from memfit.budget import format_bytes
 from memfit.records import BREAKDOWN_KEYS, MemoryReport, StepMetrics
 from memfit.report.table import markdown_table
 
-__all__ = ["RunSummary", "memory_rows", "summarize", "training_report"]
+__all__ = ["RunSummary", "median_step_seconds", "memory_rows", "summarize", "training_report"]
 
 
 @dataclass
@@ -40,12 +40,23 @@ class RunSummary:
     peak_bytes: int | None
 
 
+def _timed(history: Sequence[StepMetrics]) -> list[StepMetrics]:
+    """The steps whose time means something: not the first (warm-up), not MemTracker's."""
+    return [m for m in history[1:] if not m.tracked] or list(history)
+
+
+def median_step_seconds(history: Sequence[StepMetrics]) -> float:
+    """Median seconds per step, leaving out the first step and MemTracker-watched ones."""
+    timed = _timed(history)
+    return statistics.median(m.seconds for m in timed) if timed else math.nan
+
+
 def summarize(history: Sequence[StepMetrics], window: int = 10) -> RunSummary:
     """Summarize a run's metrics (an empty history gives NaN losses)."""
     last = list(history[-window:])
     vals = [m.val_loss for m in history if m.val_loss is not None]
     peaks = [m.peak_bytes for m in history if m.peak_bytes is not None]
-    rates = [m.tokens_per_s for m in history[1:] if m.peak_bytes is None] or [m.tokens_per_s for m in history]
+    rates = [m.tokens_per_s for m in _timed(history)]
     return RunSummary(
         steps=history[-1].step if history else 0,
         first_loss=history[0].loss if history else math.nan,

@@ -22,12 +22,31 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from memfit.records import StepMetrics
-from memfit.train.trainer import Callback, Trainer
 
-__all__ = ["MetricsLog", "SaveState", "read_metrics"]
+if TYPE_CHECKING:
+    from memfit.train.trainer import Trainer
+
+__all__ = ["Callback", "MetricsLog", "SaveState", "read_metrics"]
+
+
+class Callback:
+    """Hooks the Trainer calls around training; override the ones you need.
+
+    A callback may call ``trainer.stop(reason)`` to end :meth:`Trainer.fit` after the
+    current step (overflow guards, early stopping).
+    """
+
+    def on_fit_start(self, trainer: Trainer) -> None:
+        """Called when :meth:`Trainer.fit` starts."""
+
+    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
+        """Called after every step (and its evaluation, if any) with what it did."""
+
+    def on_fit_end(self, trainer: Trainer) -> None:
+        """Called when :meth:`Trainer.fit` ends, also when it stops early."""
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
@@ -107,6 +126,17 @@ class SaveState(Callback):
     def _save(self, trainer: Trainer) -> None:
         trainer.save(self.path, data=self.data, extra=self.extra)
         self.saved_step = trainer.step_count
+
+    def save_last_good(self, trainer: Trainer) -> Path:
+        """Write the last good state as ``last-good.pt`` beside :attr:`path` (the guard calls
+        this before stopping on a non-finite loss); returns its path.
+
+        The data position is the one after the failed batch, so resuming from it skips
+        that batch; model, optimizer and step count are those before the failed step.
+        """
+        path = self.path.with_name("last-good.pt")
+        trainer.save(path, data=self.data, extra=self.extra)
+        return path
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
         """Save when the step number is a multiple of ``every``."""

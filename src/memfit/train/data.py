@@ -112,12 +112,43 @@ class ByteCorpus:
         return cls.from_bytes(data, val_fraction, source=str(root))
 
 
-class BatchSampler:
-    """Deterministic random windows of a byte array; its position can be saved and restored.
+class _Resumable:
+    """Batches numbered from 0; batch ``i`` depends only on ``seed`` and ``i``.
 
-    Batch ``i`` depends only on ``seed`` and ``i``, so a sampler restored to position ``i``
-    yields exactly the batches an uninterrupted one would.
+    The position (the number of the next batch) can be saved and restored, so a restored
+    sampler yields exactly the batches an uninterrupted one would.
     """
+
+    seed: int
+    position: int
+
+    def batch_at(self, index: int) -> Any:
+        """The batch number ``index``, without moving."""
+        raise NotImplementedError
+
+    def next_batch(self) -> Any:
+        """The next batch; advances the position."""
+        batch = self.batch_at(self.position)
+        self.position += 1
+        return batch
+
+    def __iter__(self) -> Iterator[Any]:
+        """Batches from the current position on, without end (each one advances it)."""
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position and seed, for training-state files."""
+        return {"position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self.position = int(state["position"])
+        self.seed = int(state["seed"])
+
+
+class BatchSampler(_Resumable):
+    """Deterministic random windows of a byte array; its position can be saved and restored."""
 
     def __init__(self, data: np.ndarray, batch_size: int, seq_len: int, seed: int = 0) -> None:
         if len(data) <= seq_len + 1:
@@ -141,26 +172,11 @@ class BatchSampler:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch; advances the position."""
-        batch = self.batch_at(self.position)
-        self.position += 1
+        batch: tuple[torch.Tensor, torch.Tensor] = super().next_batch()
         return batch
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Batches from the current position on, without end (each one advances it)."""
-        while True:
-            yield self.next_batch()
 
-    def state_dict(self) -> dict[str, Any]:
-        """Position and seed, for training-state files."""
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.position = int(state["position"])
-        self.seed = int(state["seed"])
-
-
-class SyntheticBatches:
+class SyntheticBatches(_Resumable):
     """Batches from a model's own ``make_batch(batch_size, seed)``, resumable like a sampler.
 
     Batch ``i`` is ``make_batch(batch_size, seed * 1_000_003 + i)``, so it depends only on
@@ -176,23 +192,3 @@ class SyntheticBatches:
     def batch_at(self, index: int) -> Any:
         """The batch number ``index``, without moving."""
         return self.make_batch(self.batch_size, self.seed * 1_000_003 + index)
-
-    def next_batch(self) -> Any:
-        """The next batch; advances the position."""
-        batch = self.batch_at(self.position)
-        self.position += 1
-        return batch
-
-    def __iter__(self) -> Iterator[Any]:
-        """Batches from the current position on, without end."""
-        while True:
-            yield self.next_batch()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Position and seed, for training-state files."""
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self.position = int(state["position"])
-        self.seed = int(state["seed"])

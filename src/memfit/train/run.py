@@ -22,10 +22,12 @@ Example:
 
 from __future__ import annotations
 
-import math
+import contextlib
 import random
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,20 +36,27 @@ import numpy as np
 import torch
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.checkpointing import checkpoint, find_blocks
+from memfit.check.guards import GuardConfig
+from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
+from memfit.plan.planner import apply, plan
 from memfit.precision import Precision
-from memfit.records import StepMetrics
+from memfit.records import Plan, StepMetrics
 from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.train.distributed import init_distributed, wrap_model
-from memfit.train.state import previous_path
+from memfit.train.schedule import lr_schedule
+from memfit.train.sharded_state import load_sharded
+from memfit.train.state import load_state, previous_path
 from memfit.train.trainer import Callback, Trainer
 
-__all__ = ["TrainRun", "resolve_resume", "train_from_config"]
+__all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
+
+#: ``Trainer.stop_reason`` after a Ctrl-C.
+INTERRUPTED = "interrupted (Ctrl-C)"
 
 #: Config keys a resumed run must share with the run it continues.
 _MUST_MATCH = (
@@ -104,6 +113,8 @@ def _check_same_run(saved: dict[str, Any], cfg: Config, path: Path) -> None:
     now = cfg.to_dict()
     for key in _MUST_MATCH:
         before, after = _get(saved, key), _get(now, key)
+        if key == "train.distributed" and before == {} and after == "none":
+            continue  # NOTE: a state saved before train.distributed existed: one process
         if before != after:
             if isinstance(before, dict) and isinstance(after, dict):
                 sub = next(k for k in sorted(set(before) | set(after)) if before.get(k) != after.get(k))
@@ -115,34 +126,51 @@ def _check_same_run(saved: dict[str, Any], cfg: Config, path: Path) -> None:
 
 
 def _schedule(optimizer: torch.optim.Optimizer, cfg: Config) -> torch.optim.lr_scheduler.LambdaLR:
-    warm, total, kind = cfg.optimizer.warmup_steps, cfg.train.steps, cfg.optimizer.schedule
-
-    def factor(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if kind == "cosine":
-            t = min(1.0, (step - warm) / max(1, total - warm))
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * t))
-        return 1.0
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return lr_schedule(optimizer, cfg.train.steps, cfg.optimizer.warmup_steps, cfg.optimizer.schedule)
 
 
-def _refuse_auto() -> None:
-    raise ConfigError(
-        'memory.checkpointing = "auto" needs the planner (memfit plan), which this build does not '
-        "have yet; use none, full, selective or every:K."
+def _check_auto(cfg: Config) -> None:
+    if cfg.memory.checkpointing != "auto":
+        return
+    if not cfg.memory.budget:
+        raise ConfigError(
+            'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
+        )
+    if cfg.train.distributed != "none":
+        raise ConfigError(
+            f'memory.checkpointing = "auto" plans for one process, not train.distributed = '
+            f'"{cfg.train.distributed}"; choose none, full, selective or every:K for a torchrun run.'
+        )
+
+
+def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optimizer.lr,
+        betas=(cfg.optimizer.betas[0], cfg.optimizer.betas[1]),
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+    )
+
+
+def _describe_plan(chosen: Plan) -> str:
+    counts: dict[str, int] = {}
+    for mode in chosen.blocks.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
+    return (
+        f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
+        f"predicted peak {format_bytes(chosen.predicted_peak_bytes)})"
     )
 
 
 def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
-    if mode == "auto":
-        _refuse_auto()
     if mode == "none":
         return "none"
     if mode.startswith("every:"):
-        checkpoint(model, mode="full", every=int(mode.split(":")[1]))
-        return f"full on every {mode.split(':')[1]}th block"
+        every = int(mode.split(":")[1])
+        checkpoint(model, mode="full", every=every)
+        return f"full on every {every} blocks ({', '.join(checkpointed_blocks(model))})"
     checkpoint(model, mode=mode)
     return mode
 
@@ -156,7 +184,7 @@ class _BudgetWatch(Callback):
         self.verdict: str | None = None
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        if self.verdict is not None or trainer.memory is None or metrics.peak_bytes is None:
+        if self.verdict is not None or trainer.memory is None or not metrics.tracked:
             return
         peak = trainer.memory.peak_bytes
         fits = peak <= self.budget
@@ -184,6 +212,26 @@ class _Echo(Callback):
             )
 
 
+@contextlib.contextmanager
+def _graceful_interrupt(trainer: Trainer, echo: Callable[[str], None]) -> Iterator[None]:
+    """The first Ctrl-C stops training after the current step (whose state is then saved);
+    a second one interrupts at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _on_sigint(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, previous)
+        trainer.stop(INTERRUPTED)
+        echo("memfit train: stopping after this step and saving the training state (Ctrl-C again to abort)")
+
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _data(cfg: Config, spec: Any) -> tuple[Any, list[Any], str]:
     bs, seed = cfg.train.batch_size, cfg.train.seed
     if spec.seq_len is None:
@@ -205,8 +253,12 @@ def train_from_config(
     resume: str | None = None,
     progress: bool | None = None,
     echo: Callable[[str], None] = print,
+    overwrite: bool = False,
 ) -> TrainRun:
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
+
+    A new run (no ``resume``) refuses a ``train.out`` that already holds one, unless
+    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident.
 
     Returns:
         A :class:`TrainRun` with the trainer, every step's metrics and the files written.
@@ -215,50 +267,74 @@ def train_from_config(
         MemfitError: a bad config, data path, model factory or state file (one sentence).
     """
     out = Path(cfg.train.out)
-    if cfg.memory.checkpointing == "auto":
-        _refuse_auto()
-    budget = parse_bytes(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
+    _check_auto(cfg)
+    budget_text = cfg.memory.budget
+    budget = None
+    if budget_text:
+        # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
+        budget = parse_bytes(budget_text, reference=2**50, what="memory.budget")
+        budget = None if budget_text.strip().endswith("%") else budget
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
+    state_path = resolve_resume(resume, out) if resume else None
+    if (
+        state_path is None
+        and not overwrite
+        and any((out / n).exists() for n in ("state.pt", "metrics.jsonl"))
+    ):
+        raise ConfigError(
+            f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
+            "--overwrite, or set train.out to another directory."
+        )
+    # NOTE: every rank checks the files above before joining the process group, so no rank
+    # can have written anything yet.
     dist_ctx, device = init_distributed(cfg.train.distributed, device)
     if not dist_ctx.is_main:
         echo, progress = (lambda _line: None), False
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
-    state_path = resolve_resume(resume, out) if resume else None
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     spec = build_model(cfg.model)
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
-    ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
+    opt = _optimizer(model, cfg)
+    chosen: Plan | None = None
+    if cfg.memory.checkpointing == "auto":
+        chosen = plan(model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision)
+        apply(model, chosen)
+        budget = chosen.budget_bytes
+        precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
+        ckpt_text = _describe_plan(chosen)
+    else:
+        ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
-    blocks = find_blocks(model)
-    # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
-    # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
-    model = wrap_model(model, dist_ctx, blocks)
-    opt = torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optimizer.lr,
-        betas=(cfg.optimizer.betas[0], cfg.optimizer.betas[1]),
-        eps=cfg.optimizer.eps,
-        weight_decay=cfg.optimizer.weight_decay,
-    )
+    model_name = type(model).__name__
+    if dist_ctx.active:
+        # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
+        # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
+        model = wrap_model(model, dist_ctx, find_blocks(model))
+        opt = _optimizer(model, cfg)
     trainer = Trainer(
         model,
         opt,
         spec.loss_fn,
         precision,
-        micro_batches=cfg.train.grad_accum,
+        chosen,
+        micro_batches=chosen.micro_batches if chosen else cfg.train.grad_accum,
         clip_norm=cfg.optimizer.clip_norm or None,
         scheduler=_schedule(opt, cfg),
         progress=progress,
         dist=dist_ctx,
+        guard=GuardConfig(on_overflow=cfg.memory.on_overflow),
     )
     resumed_from = None
     if state_path is not None:
-        extra = trainer.load(state_path, data=sampler)
-        _check_same_run(extra.get("config", {}), cfg, state_path)
+        state = load_state(state_path)
+        _check_same_run(dict(state.get("extra") or {}).get("config", {}), cfg, state_path)
+        if state.get("sharded"):
+            load_sharded(trainer.model, trainer.optimizer, state_path)
+        trainer.load_state_dict(state, data=sampler)
         resumed_from = trainer.step_count
     files = {"metrics": out / "metrics.jsonl", "state": out / "state.pt", "report": out / "report.md"}
     watch = _BudgetWatch(budget, echo) if budget else None
@@ -279,19 +355,20 @@ def train_from_config(
         ]
     remaining = max(0, cfg.train.steps - trainer.step_count)
     echo(
-        f"memfit train: {type(model).__name__} ({n_params / 1e6:.2f}M parameters) on {data_text}, "
+        f"memfit train: {model_name} ({n_params / 1e6:.2f}M parameters) on {data_text}, "
         f"{precision.mode}, checkpointing {ckpt_text}, {device}"
         + (f" x {dist_ctx.world_size} ({dist_ctx.mode})" if dist_ctx.active else "")
         + "; "
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
         + f"{remaining} steps to {cfg.train.steps}"
     )
-    trainer.fit(
-        sampler,
-        remaining,
-        eval_fn=lambda _m: trainer.evaluate(val_batches),
-        eval_every=cfg.train.eval_every or None,
-    )
+    with _graceful_interrupt(trainer, echo):
+        trainer.fit(
+            sampler,
+            remaining,
+            eval_fn=lambda _m: trainer.evaluate(val_batches),
+            eval_every=cfg.train.eval_every or None,
+        )
     if not dist_ctx.is_main:
         return TrainRun(
             out=out, trainer=trainer, history=trainer.history, resumed_from=resumed_from, files={}
@@ -316,6 +393,7 @@ def train_from_config(
         notes.append(watch.verdict)
     if trainer.stop_reason:
         notes.append(f"stopped early: {trainer.stop_reason}")
+    notes += [f"guard, step {e.step}: {e.message}" for e in trainer.guard.events]
     files["report"].write_text(
         training_report("memfit train", history, trainer.memory, settings, notes), encoding="utf-8"
     )

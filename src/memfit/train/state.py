@@ -34,15 +34,29 @@ import random
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from memfit.errors import StateError
+from memfit.train.distributed import unwrap
 
-__all__ = ["capture_rng", "load_state", "previous_path", "restore_rng", "save_state", "verify_state"]
+if TYPE_CHECKING:
+    from memfit.train.trainer import Trainer
 
+__all__ = [
+    "capture_rng",
+    "load_state",
+    "previous_path",
+    "restore_rng",
+    "restore_trainer",
+    "save_state",
+    "trainer_state",
+    "verify_state",
+]
+
+_FORMAT = "memfit-training-state"
 _MAGIC = b"MEMFIT-STATE-1\n"
 _HEADER = len(_MAGIC) + 8 + 32
 
@@ -199,3 +213,54 @@ def restore_rng(state: dict[str, Any]) -> None:
     )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
+
+
+def trainer_state(
+    trainer: Trainer, data: Any | None = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """What :meth:`memfit.Trainer.save` writes: model, optimizer, precision (loss scaler),
+    scheduler, RNG states, ``data.state_dict()``, the step count and ``extra``.
+
+    The model's state is that of the model inside a DDP wrapper, so its keys are the same
+    with and without DDP."""
+    return {
+        "format": _FORMAT,
+        "version": 1,
+        "step": trainer.step_count,
+        "model": unwrap(trainer.model).state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "precision": trainer.precision.state_dict(),
+        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
+        "rng": capture_rng(),
+        "data": data.state_dict() if data is not None else None,
+        "extra": extra or {},
+    }
+
+
+def restore_trainer(trainer: Trainer, state: dict[str, Any], data: Any | None = None) -> dict[str, Any]:
+    """Put :func:`trainer_state` back into ``trainer`` (and ``data``); returns ``extra``.
+
+    Raises:
+        StateError: the state is not a Trainer's, or its model does not fit this one.
+    """
+    if state.get("format") != _FORMAT:
+        raise StateError("this file is not a memfit Trainer state; write one with Trainer.save().")
+    # NOTE: an FSDP2 state holds no "model" and "optimizer": their shards were loaded with DCP.
+    try:
+        if "model" in state:
+            unwrap(trainer.model).load_state_dict(state["model"])
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise StateError(
+            f"the saved model does not fit this model ({first.rstrip('.:')}); resume with the same model."
+        ) from None
+    if "optimizer" in state:
+        trainer.optimizer.load_state_dict(state["optimizer"])
+    trainer.precision.load_state_dict(state["precision"])
+    if trainer.scheduler is not None and state.get("scheduler") is not None:
+        trainer.scheduler.load_state_dict(state["scheduler"])
+    if data is not None and state.get("data") is not None:
+        data.load_state_dict(state["data"])
+    restore_rng(state["rng"])
+    trainer.step_count = int(state["step"])
+    return dict(state.get("extra") or {})

@@ -5,6 +5,10 @@ It composes the pieces and decides nothing: every step is :func:`memfit.step.tra
 ``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
 training state goes through :mod:`memfit.train.state`.
 
+Every step runs through a :class:`memfit.check.guards.Guard` (on by default, cheap): fp16
+loss-scaler warnings, a stop with the attribution and the last good state on disk when an
+fp32/bf16 loss is not finite, and the optional precision fallback.
+
 Trade-off: on a CPU, tracking a step's memory with MemTracker slows that step down, so
 the Trainer tracks the first steady-state step (optimizer state already created) and then
 every ``memory_every`` steps; on a GPU the allocator's peak is read on every step for free.
@@ -24,47 +28,29 @@ Example:
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError
 from memfit.measure.memory import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
-from memfit.step import Batch, LossFn, StepResult, training_step
+from memfit.step import Batch, LossFn, StepResult
+from memfit.train.callbacks import Callback
 from memfit.train.distributed import DistContext, global_mean, local_batch, unwrap
 from memfit.train.sharded_state import load_sharded, save_sharded, sharded
-from memfit.train.state import capture_rng, load_state, restore_rng, save_state
+from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
 
-__all__ = ["Callback", "Trainer"]
-
-_FORMAT = "memfit-training-state"
-
-
-class Callback:
-    """Hooks the Trainer calls around training; override the ones you need.
-
-    A callback may call ``trainer.stop(reason)`` to end :meth:`Trainer.fit` after the
-    current step (overflow guards, early stopping).
-    """
-
-    def on_fit_start(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` starts."""
-
-    def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        """Called after every step (and its evaluation, if any) with what it did."""
-
-    def on_fit_end(self, trainer: Trainer) -> None:
-        """Called when :meth:`Trainer.fit` ends, also when it stops early."""
+__all__ = ["Trainer"]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -111,6 +97,12 @@ class Trainer:
             (:func:`memfit.train.distributed.init_distributed`); ``model`` is then the DDP or
             FSDP2-wrapped model, each step takes this rank's slice of the global batch and
             reports the loss averaged over all ranks.
+        guard: the overflow guard's settings (default :class:`memfit.GuardConfig`: on,
+            ``on_overflow="stop"``); ``GuardConfig(on_overflow="fallback")`` switches
+            precision instead of stopping where it can.
+        last_good_path: where the guard writes the last good training state before it
+            stops (default: next to a :class:`SaveState` callback's file as
+            ``last-good.pt``, else ``memfit-last-good.pt`` in the working directory).
 
     Raises:
         ConfigError: the arguments contradict the plan, or ``micro_batches < 1``.
@@ -132,6 +124,8 @@ class Trainer:
         memory_every: int = 0,
         track_memory: bool = True,
         dist: DistContext | None = None,
+        guard: GuardConfig | None = None,
+        last_good_path: str | os.PathLike[str] | None = None,
     ) -> None:
         self.dist = dist or DistContext()
         self.model = model
@@ -166,22 +160,51 @@ class Trainer:
         self.stop_reason: str | None = None
         self.fit_completed = True
         """False while the last :meth:`fit` is ended by an exception (e.g. Ctrl-C)."""
+        self.guard = Guard(guard or GuardConfig(), save_state=self._save_last_good)
+        """The overflow guard; ``trainer.guard.events`` lists what it saw and did."""
+        self.last_good_path = Path(last_good_path) if last_good_path is not None else None
+        self._data: Any | None = None
 
     # -- one step ---------------------------------------------------------------------
 
     def _track_this_step(self) -> bool:
-        steady = len(self.optimizer.state) > 0
+        # NOTE: steady state: optimizer state exists (Adam's moments are created lazily by the
+        # first step) or a step was taken (SGD without momentum has no state at all).
+        steady = self.step_count > 0 or len(self.optimizer.state) > 0
         if not steady or not self.track_memory:
             return False
         if self.memory is None:
             return True
         return self.memory_every > 0 and (self.step_count + 1) % self.memory_every == 0
 
-    def _run(self, batch: Batch) -> tuple[StepResult, int | None]:
-        args = (self.model, batch, self.loss_fn, self.optimizer, self.precision, self.micro_batches)
+    def _guarded_step(self, batch: Batch) -> StepResult:
+        result, self.precision = self.guard.step(
+            self.model,
+            batch,
+            self.loss_fn,
+            self.optimizer,
+            self.precision,
+            self.step_count + 1,
+            self.micro_batches,
+            self.clip_norm,
+        )
+        return result
+
+    def _save_last_good(self) -> Path:
+        """Write the state before the failing step (weights are not yet updated by it)."""
+        for callback in self.callbacks:
+            saver = getattr(callback, "save_last_good", None)
+            if callable(saver):
+                return Path(saver(self))
+        path = self.last_good_path or Path("memfit-last-good.pt")
+        self.save(path, data=self._data)
+        return path
+
+    def _run(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
+        """Run the step; return its result, its peak bytes (if known) and whether MemTracker watched."""
         if self._track_this_step():
             with MemoryWatch(self.model, self.optimizer) as watch:
-                result = training_step(*args, clip_norm=self.clip_norm)
+                result = self._guarded_step(batch)
             self.memory = MemoryReport(
                 peak_bytes=watch.peak_bytes,
                 breakdown=dict(watch.breakdown),
@@ -189,21 +212,21 @@ class Trainer:
                 precision=self.precision.mode,
                 tracker="cuda-allocator" if self.device.type == "cuda" else "MemTracker",
             )
-            return result, watch.peak_bytes
+            return result, watch.peak_bytes, True
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-            result = training_step(*args, clip_norm=self.clip_norm)
-            return result, int(torch.cuda.max_memory_allocated(self.device))
-        return training_step(*args, clip_norm=self.clip_norm), None
+            result = self._guarded_step(batch)
+            return result, int(torch.cuda.max_memory_allocated(self.device)), False
+        return self._guarded_step(batch), None, False
 
-    def _run_global(self, batch: Batch) -> tuple[StepResult, int | None]:
+    def _run_global(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
         """One step on this rank's slice; loss, samples and tokens are for the global batch."""
-        result, peak = self._run(local_batch(batch, self.dist))
+        result, peak, tracked = self._run(local_batch(batch, self.dist))
         if self.dist.active:
             result.loss = global_mean(result.loss, self.dist)
             result.samples *= self.dist.world_size
             result.tokens *= self.dist.world_size
-        return result, peak
+        return result, peak, tracked
 
     def step(self, batch: Batch, eval_fn: Callable[[nn.Module], float] | None = None) -> StepMetrics:
         """Run one optimizer step on ``batch`` and return what it did.
@@ -219,7 +242,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         start = time.perf_counter()
-        result, peak = self._run_global(batch)
+        result, peak, tracked = self._run_global(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -239,6 +262,7 @@ class Trainer:
             samples_per_s=result.samples / seconds if seconds > 0 else 0.0,
             tokens_per_s=result.tokens / seconds if seconds > 0 else 0.0,
             peak_bytes=peak,
+            tracked=tracked,
         )
         if eval_fn is not None:
             metrics.val_loss = self._evaluate_with(eval_fn)
@@ -311,6 +335,7 @@ class Trainer:
             raise ConfigError(f"steps must be 0 or more, got {steps}.")
         self.stop_reason = None
         done: list[StepMetrics] = []
+        self._data = batches if callable(getattr(batches, "state_dict", None)) else None
         iterator = iter(batches)
         for callback in self.callbacks:
             callback.on_fit_start(self)
@@ -345,50 +370,16 @@ class Trainer:
         peaks = [m.peak_bytes for m in self.history if m.peak_bytes is not None]
         return max(peaks) if peaks else None
 
-    def median_step_seconds(self, last: int | None = None) -> float:
-        """Median seconds of the untracked steps after the first (which warms up)."""
-        timed = [m.seconds for m in self.history[1:] if m.peak_bytes is None or self.device.type == "cuda"]
-        timed = timed[-last:] if last else timed
-        return statistics.median(timed) if timed else math.nan
-
     # -- training state ---------------------------------------------------------------
 
     def state_dict(self, data: Any | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
         """Everything needed to continue exactly here: model, optimizer, scaler, scheduler,
         RNG states, ``data.state_dict()`` (a sampler's position) and the step count."""
-        return {
-            "format": _FORMAT,
-            "version": 1,
-            "step": self.step_count,
-            "model": unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "precision": self.precision.state_dict(),
-            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
-            "rng": capture_rng(),
-            "data": data.state_dict() if data is not None else None,
-            "extra": extra or {},
-        }
+        return trainer_state(self, data, extra)
 
     def load_state_dict(self, state: dict[str, Any], data: Any | None = None) -> dict[str, Any]:
-        """Restore :meth:`state_dict`; returns its ``extra`` dict."""
-        if state.get("format") != _FORMAT:
-            raise ConfigError("this file is not a memfit Trainer state; save one with Trainer.save().")
-        try:
-            if "model" in state:
-                unwrap(self.model).load_state_dict(state["model"])
-        except RuntimeError as exc:
-            first = str(exc).strip().splitlines()[0]
-            raise ConfigError(f"the saved model does not match this model ({first}).") from None
-        if "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        if self.scheduler is not None and state.get("scheduler") is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if data is not None and state.get("data") is not None:
-            data.load_state_dict(state["data"])
-        restore_rng(state["rng"])
-        self.step_count = int(state["step"])
-        return dict(state.get("extra") or {})
+        """Restore :meth:`state_dict` (and ``data``'s position); returns its ``extra`` dict."""
+        return restore_trainer(self, state, data)
 
     def save(
         self, path: str | os.PathLike[str], data: Any | None = None, extra: dict[str, Any] | None = None
@@ -433,7 +424,7 @@ def _check_plan(
         raise ConfigError(
             f"micro_batches={micro_batches} contradicts the plan's {plan.micro_batches}; pass one of them."
         )
-    actual = checkpointed_blocks(model)
+    actual = checkpointed_blocks(unwrap(model))
     for name, mode in plan.blocks.items():
         if actual.get(name) != _plan_mode(mode):
             raise ConfigError(

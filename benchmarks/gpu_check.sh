@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU check: the GPU-marked tests, then `memfit bench` on a GPT-2-medium-sized built-in GPT
+# (24 layers, 1024 wide, 16 heads, sequence 1024, ~302M parameters) with fp32, bf16 and fp16
+# on CUDA, peaks from the CUDA allocator's statistics. Sized to finish in under 8 minutes on
+# one NVIDIA H200 (copies not running are parked in host memory: ~55 GiB of host RAM).
+#
+# Usage:  benchmarks/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check-out)
+# Env:    PYTHON (default: .venv/bin/python if present, else python3) with a CUDA build of torch;
+#         BATCH (default 8), STEPS (default 3), STRATEGIES (default all 15).
+# Budget: GPU tests at most 120 s, the bench at most 330 s (expected ~3-4 min: 15 strategies,
+#         each copied to the GPU, warmed up, tracked, then 3 interleaved timed steps).
+# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
+#         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-gpu-check-out}"
+mkdir -p "$OUT"
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "gpu_check: no CUDA device visible to $PYTHON (torch $("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null)); set PYTHON to a Python with a CUDA build of torch." >&2
+  exit 2
+fi
+"$PYTHON" -c "import torch; p = torch.cuda.get_device_properties(0); print(f'gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}')"
+
+status=0
+echo "== pytest -m gpu"
+start=$SECONDS
+timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider 2>&1 | tee "$OUT/pytest-gpu.log"
+rc=${PIPESTATUS[0]}
+# exit code 5: no test is marked gpu yet, which is not a failure of this check
+if [[ $rc -ne 0 && $rc -ne 5 ]]; then echo "gpu_check: GPU tests failed (exit $rc)"; status=1; fi
+echo "pytest -m gpu: $((SECONDS - start)) s"
+
+echo "== memfit bench, GPT-2-medium size, CUDA"
+start=$SECONDS
+timeout 330 "$PYTHON" -m memfit.cli.main bench \
+  --set model.n_layer=24 --set model.n_embd=1024 --set model.n_head=16 --set model.block_size=1024 \
+  --set train.device=cuda --set data.max_bytes=4000000 \
+  --batch-size "${BATCH:-8}" --steps "${STEPS:-3}" --strategies "${STRATEGIES:-all}" \
+  --budget 50% --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then echo "gpu_check: memfit bench failed (exit $rc)"; status=1; fi
+echo "memfit bench: $((SECONDS - start)) s"
+exit $status

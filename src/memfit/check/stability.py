@@ -1,0 +1,213 @@
+"""Is mixed precision still right? Train with fp32 and with each precision, side by side.
+
+Every run starts from identical initial weights and sees identical batches; only the
+precision (and the checkpointing plan, if given) differs. A second fp32 run with another
+data order and another dropout seed measures how far two equally valid runs drift apart:
+the noise band. A precision passes when its final loss stays within a few noise bands of
+fp32, its gradients have the same size, the loss scaler did not lose many steps and no
+value overflowed (see :mod:`memfit.check.verdict`).
+
+Trade-off: the check costs ``len(precisions) + 2`` short training runs (and hooks on every
+module while they run), so it is for before a long run, not for every step of one.
+
+Example:
+    >>> import torch
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> def model_fn():
+    ...     return GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+    >>> batches = [(torch.randint(0, 256, (2, 8)),) * 2 for _ in range(3)]
+    >>> report = check_stability(model_fn, batches, gpt_loss,
+    ...                          lambda ps: torch.optim.AdamW(ps, lr=1e-3), ("bf16",), steps=3)
+    >>> report.by_precision["bf16"].verdict in ("PASS", "WARN", "FAIL")
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
+from memfit.check.verdict import Thresholds, judge, worst
+from memfit.devices import DeviceFacts, device_facts
+from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.precision import Precision
+from memfit.records import Plan, PrecisionCheck, StabilityReport
+from memfit.step import Batch, LossFn
+
+__all__ = ["check_stability", "hardware_facts"]
+
+
+def hardware_facts(facts: DeviceFacts, precisions: Sequence[str]) -> list[str]:
+    """What the check's result depends on about this device, in words."""
+    lines = [f"device: {facts.name}, {facts.description}"]
+    for p in precisions:
+        native = {"bf16": facts.bf16_native, "fp16": facts.fp16_native}.get(p, True)
+        if native:
+            lines.append(f"{p} runs natively on this device: the numerics checked are the ones training gets")
+        else:
+            lines.append(
+                f"{p} on this {facts.type.upper()} is emulated: the check covers numerics only and says "
+                "nothing about speed"
+            )
+    return lines + [f"note: {n}" for n in facts.notes]
+
+
+def _validate(precisions: Sequence[str], steps: int, batches: Sequence[Batch]) -> None:
+    if isinstance(precisions, str):
+        raise ConfigError(f"precisions must be a list of modes such as ('bf16', 'fp16'), not {precisions!r}.")
+    if not precisions:
+        raise ConfigError("precisions is empty; give at least one of 'bf16' or 'fp16'.")
+    for p in precisions:
+        if p not in ("fp32", "bf16", "fp16"):
+            raise UnsupportedPrecision(f"unknown precision {p!r} to check; use 'bf16' and/or 'fp16'.")
+    if len(set(precisions)) != len(precisions):
+        raise ConfigError(f"precisions {list(precisions)} name a mode twice; name each once.")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ConfigError(f"steps must be a positive number of training steps, got {steps!r}.")
+    if len(batches) == 0:
+        raise ConfigError("batches is empty; give at least one batch to train on.")
+
+
+def _median_ratio(a: list[float | None], b: list[float | None]) -> float | None:
+    ratios = [x / y for x, y in zip(a, b, strict=False) if x is not None and y is not None and y > 0]
+    return statistics.median(ratios) if ratios else None
+
+
+def _drift(params: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> float | None:
+    moved = float((ref - start).norm())
+    value = float((params - ref).norm()) / moved if moved > 0 else None
+    return finite(value)
+
+
+def check_stability(
+    model_fn: Callable[[], nn.Module],
+    batches: Sequence[Batch],
+    loss_fn: LossFn,
+    optimizer_fn: OptimizerFn,
+    precisions: Sequence[str] = ("bf16", "fp16"),
+    steps: int = 50,
+    *,
+    plan: Plan | None = None,
+    eval_batches: Sequence[Batch] | None = None,
+    device: str | torch.device | None = None,
+    clip_norm: float | None = None,
+    seed: int = 0,
+    thresholds: Thresholds | None = None,
+    progress: bool = False,
+) -> StabilityReport:
+    """Train with fp32 and with each precision from identical weights and batches, and judge.
+
+    Args:
+        model_fn: builds a fresh model; called once per run (torch is seeded with ``seed``
+            first) and must build identical initial weights every time.
+        batches: training batches; step ``i`` uses ``batches[i % len(batches)]``.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        optimizer_fn: ``optimizer_fn(params) -> optimizer``.
+        precisions: the modes to check against fp32 (``"bf16"``, ``"fp16"``).
+        steps: training steps per run.
+        plan: a checkpointing plan applied to the mixed-precision runs (its blocks and
+            micro-batches), so that the combination is what is checked.
+        eval_batches: batches the final weights are judged on, in fp32 (default: up to 4
+            of ``batches``).
+        device: where to train (default: CUDA if present, else CPU).
+        clip_norm: gradient clipping as in training (None: no clipping; norms are still measured).
+        seed: seed of the weights and of the reference run's dropout.
+        thresholds: verdict thresholds (default :class:`~memfit.check.verdict.Thresholds`).
+        progress: show a progress bar.
+
+    Returns:
+        A :class:`~memfit.records.StabilityReport`.
+
+    Raises:
+        UnsupportedPrecision: an unknown precision, or one the device cannot run.
+        ConfigError: no steps, no batches, or a ``model_fn`` whose models differ.
+    """
+    _validate(precisions, steps, batches)
+    facts = device_facts(device)
+    dev = torch.device(facts.name)
+    for p in precisions:
+        Precision(p, device=dev)  # raises early when the device cannot run it
+    thresholds = thresholds or Thresholds()
+    n = len(batches)
+    order = [i % n for i in range(steps)]
+    shuffled = [order[i] for i in torch.randperm(steps, generator=torch.Generator().manual_seed(seed + 1))]
+    if eval_batches is None:
+        eval_batches = [batches[i] for i in sorted({round(k * (n - 1) / 3) for k in range(4)})]
+    if len(eval_batches) == 0:
+        raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
+    blocks = {k: ("none" if v == "keep" else v) for k, v in plan.blocks.items()} if plan else None
+    micro = plan.micro_batches if plan else 1
+    with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
+        checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
+        start = flat_params(checker.build())
+        ref = checker.run("fp32", "fp32", order, seed, eval_batches)
+        if None in ref.curve.losses or ref.curve.eval_loss is None:
+            raise ConfigError(
+                f"the fp32 reference run itself produced a non-finite loss at step {len(ref.curve.losses)}; "
+                "fix the model, data or learning rate in fp32 before checking mixed precision."
+            )
+        noise = checker.run("fp32 (noise)", "fp32", shuffled, seed + 1, eval_batches)
+        assert ref.curve.eval_loss is not None
+        floor = thresholds.band_floor * abs(ref.curve.eval_loss)
+        noise_delta = (
+            abs(noise.curve.eval_loss - ref.curve.eval_loss)
+            if noise.curve.eval_loss is not None
+            else math.inf
+        )
+        band = max(noise_delta, floor)
+        results = {}
+        for p in precisions:
+            run = checker.run(p, p, order, seed, eval_batches, blocks, micro)
+            skipped = frozenset(i for i, s in enumerate(run.curve.skipped, start=1) if s)
+            base, twin = ref, None
+            if skipped and len(skipped) <= thresholds.fail_skip_fraction * steps:
+                # NOTE: a skipped step is the loss scaler working, not an arithmetic error, but
+                # early in training one lost update can move the loss far (loss spikes). So
+                # the numbers compare with an fp32 run that skips the same steps; the skips
+                # themselves are judged by their own thresholds.
+                bar.total += steps
+                twin = checker.run(
+                    f"fp32 (skipping {p}'s skipped steps)", "fp32", order, seed, eval_batches, skip=skipped
+                )
+                base = twin
+            assert base.curve.eval_loss is not None
+            delta = (
+                abs(run.curve.eval_loss - base.curve.eval_loss) if run.curve.eval_loss is not None else None
+            )
+            pc = PrecisionCheck(
+                precision=p,
+                verdict="",
+                reasons=[],
+                run=run.curve,
+                loss_delta=delta,
+                band_multiple=finite(delta / band) if delta is not None and band > 0 else None,
+                grad_norm_ratio=_median_ratio(run.curve.grad_norms, base.curve.grad_norms),
+                param_drift=_drift(run.params, base.params, start),
+                skipped_steps=len(skipped),
+                final_scale=run.final_scale,
+                first_nonfinite=run.first_nonfinite,
+                modules=run.modules,
+                reference_run=twin.curve if twin is not None else None,
+            )
+            pc.verdict, pc.reasons = judge(pc, thresholds)
+            results[p] = pc
+    return StabilityReport(
+        verdict=worst([pc.verdict for pc in results.values()]),
+        by_precision=results,
+        reference=ref.curve,
+        noise=noise.curve,
+        noise_band=band,
+        noise_param_drift=_drift(noise.params, ref.params, start),
+        steps=steps,
+        device=facts.name,
+        hardware=hardware_facts(facts, precisions),
+        thresholds=thresholds.to_dict(),
+        checkpointing=blocks or {},
+        micro_batches=micro,
+    )

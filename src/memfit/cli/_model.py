@@ -1,0 +1,56 @@
+"""What ``memfit profile`` and ``memfit estimate`` build from a config: model, batch, optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from memfit.config import Config
+from memfit.devices import default_device
+from memfit.step import Batch
+from memfit.train.build import ModelSpec, build_model
+
+__all__ = ["batch_for", "describe", "optimizer_fn", "run_device", "spec_for"]
+
+
+def spec_for(cfg: Config, meta: bool = False) -> ModelSpec:
+    """Build the configured model (on the meta device: no memory, for its shapes and loss)."""
+    torch.manual_seed(cfg.train.seed)
+    if meta:
+        with torch.device("meta"):
+            return build_model(cfg.model)
+    return build_model(cfg.model)
+
+
+def batch_for(spec: ModelSpec, cfg: Config, device: torch.device | None = None) -> Batch:
+    """A batch of ``train.batch_size`` random samples of the model's shape."""
+    batch = spec.random_batch(cfg.train.batch_size, seed=cfg.train.seed)
+    if device is None:
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return type(batch)(t.to(device) for t in batch)
+
+
+def optimizer_fn(cfg: Config) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    """AdamW with the config's settings (what ``memfit train`` uses)."""
+    o = cfg.optimizer
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        betas = (float(o.betas[0]), float(o.betas[1]))
+        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
+
+    return make
+
+
+def run_device(cfg: Config) -> torch.device:
+    """``train.device``, with ``auto`` resolved to the first GPU or the CPU."""
+    return default_device() if cfg.train.device == "auto" else torch.device(cfg.train.device)
+
+
+def describe(batch: Batch) -> str:
+    """``(8, 128)`` style shapes of the batch's tensors."""
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+    return " + ".join(str(tuple(t.shape)) for t in tensors)

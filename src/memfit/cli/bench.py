@@ -1,0 +1,228 @@
+"""``memfit bench``: measure memory against step time for every strategy, mark the front, draw it.
+
+Takes the same CONFIG.toml and ``--set`` options as ``memfit train``; the batch is the
+first training batch of the configured data (or the model's own batches). Writes
+bench.md, bench.json, bench.csv and bench.png into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import torch
+
+from memfit.budget import parse_bytes
+from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.config import Config
+from memfit.devices import default_device, device_facts
+from memfit.errors import ConfigError
+from memfit.measure.bench import bench
+from memfit.measure.copies import batch_to
+from memfit.measure.strategies import builtin_strategies, resolve_strategies
+from memfit.plan.strategies import planner_strategies
+from memfit.report.bench_report import bench_table, default_meta, failed_lines, write_bench_files
+from memfit.report.pareto import recommendation
+from memfit.train.build import build_model
+from memfit.train.data import BatchSampler, ByteCorpus
+
+HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+# NOTE: the bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a
+# modest default batch keeps a default run to a couple of minutes. Ratios between
+# strategies change little with the batch; a batch set in the config or by --set is used.
+_DEFAULT_BATCH = 4
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The config options and the bench's own (strategies, budget, out, steps, batch size, threads)."""
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--strategies",
+        action="append",
+        default=[],
+        metavar="NAMES",
+        help="comma-separated strategy names or patterns (fp32/none, bf16/*, */full, all; default all); "
+        "see --list",
+    )
+    parser.add_argument(
+        "--budget", help="answer 'what fits in this budget?': e.g. 2GiB, 500MB, 60%% (of fp32/none's peak)"
+    )
+    parser.add_argument("--out", help="directory for bench.md/json/csv/png (default: train.out)")
+    parser.add_argument(
+        "--steps", type=int, default=5, help="timed steps per strategy, interleaved (default 5)"
+    )
+    parser.add_argument(
+        "--slow-steps",
+        type=int,
+        default=1,
+        help="timed steps for precisions the device only emulates (bf16/fp16 on most CPUs; default 1)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        help=f"sequences per step (default: train.batch_size if the config or --set gives it, else "
+        f"{_DEFAULT_BATCH})",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="CPU threads for torch (default 1 on a CPU: single-threaded times are steadier on a "
+        "shared machine; 0 keeps torch's default)",
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="BUDGETS",
+        help="also bench the planner's plan at each budget, e.g. '50%%,65%%,80%%' (points plan@BUDGET)",
+    )
+    parser.add_argument("--list", action="store_true", help="list the built-in strategies and exit")
+
+
+def _device(cfg: Config) -> torch.device:
+    value = cfg.train.device
+    if value == "auto":
+        return default_device()
+    try:
+        dev = torch.device(value)
+    except RuntimeError:
+        raise ConfigError(f"train.device {value!r} is not a device; use 'auto', 'cpu' or 'cuda:N'.") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"train.device is {value!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
+    return dev
+
+
+def _batch(cfg: Config, spec: Any, batch_size: int) -> Any:
+    if spec.make_batch is None and spec.seq_len is not None:
+        corpus = ByteCorpus.load(cfg.data.path, cfg.data.val_fraction, cfg.data.max_bytes)
+        return BatchSampler(corpus.train, batch_size, spec.seq_len, seed=cfg.train.seed).batch_at(0)
+    return spec.random_batch(batch_size, seed=cfg.train.seed)
+
+
+def _configured_batch(args: argparse.Namespace) -> bool:
+    """Whether the config file or a ``--set`` names ``train.batch_size``."""
+    if any(o.replace(" ", "").startswith("train.batch_size=") for o in args.overrides):
+        return True
+    if args.config:
+        with open(args.config, "rb") as f:
+            return "batch_size" in tomllib.load(f).get("train", {})
+    return False
+
+
+def _check_budget(text: str | None) -> None:
+    """Refuse a malformed budget before minutes of measuring (a percentage is resolved later)."""
+    if text is not None:
+        parse_bytes(text, reference=1 << 40, what="--budget")
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The command line that reproduces this run, for the files' headers."""
+    parts = ["memfit", "bench"] + ([args.config] if args.config else [])
+    parts += [f"--set={o}" for o in args.overrides]
+    parts += [f"--strategies={s}" for s in args.strategies]
+    for flag in ("budget", "plan", "out", "steps", "slow_steps", "batch_size", "threads"):
+        value = getattr(args, flag)
+        if value is not None:
+            parts.append(f"--{flag.replace('_', '-')}={value}")
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, bench the strategies, print the table and write the files."""
+    if args.list:
+        for s in builtin_strategies():
+            print(s.name)
+        return 0
+    names = [n.strip() for item in args.strategies for n in item.split(",") if n.strip()] or None
+    for flag, value in (("--steps", args.steps), ("--slow-steps", args.slow_steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}.")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    _check_budget(args.budget)
+    plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
+    for b in plan_budgets:
+        parse_bytes(b, reference=2**50, what="--plan budget")
+    cfg = config_from_args(args)
+    out = Path(args.out or cfg.train.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a file; give a directory for bench.md/json/csv/png.")
+    resolve_strategies(names)  # unknown names fail before anything is built
+    device = _device(cfg)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    if threads < 0:
+        raise ConfigError(f"--threads must be 0 or more, got {threads}.")
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.train.seed)
+    spec = build_model(cfg.model)
+    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else _DEFAULT_BATCH)
+    batch = _batch(cfg, spec, batch_size)
+    o = cfg.optimizer
+
+    def optimizer_fn(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
+        )
+
+    strategies: list[Any] | None = names
+    if plan_budgets:
+        # NOTE: the planner runs on its own copy on the bench's device; its points then run
+        # side by side with the built-in strategies, interleaved like them.
+        planned = copy.deepcopy(spec.model).to(device)
+        plan_batch = batch_to(batch, device)
+        extra = planner_strategies(
+            planned,
+            plan_batch,
+            spec.loss_fn,
+            optimizer_fn(planned.parameters()),
+            plan_budgets,
+            cfg.memory.precision,
+        )
+        skipped = [b for b in plan_budgets if f"plan@{b}" not in {s.name for s in extra}]
+        for b in skipped:
+            print(f"memfit bench: no plan fits {b}; no plan@{b} point.", file=sys.stderr)
+        del planned
+        strategies = [*(names or [s.name for s in builtin_strategies()]), *extra]
+    points = bench(
+        spec.model,
+        batch,
+        spec.loss_fn,
+        optimizer_fn,
+        strategies=strategies,
+        steps=args.steps,
+        slow_steps=args.slow_steps,
+        device=device,
+        seed=cfg.train.seed,
+        progress=sys.stderr.isatty(),
+    )
+    budget = None
+    if args.budget is not None:
+        base = next((p for p in points if p.ok and p.strategy == p.baseline), None)
+        budget = parse_bytes(args.budget, reference=base.peak_bytes if base else None, what="--budget")
+    params = sum(p.numel() for p in spec.model.parameters())
+    print(
+        f"memfit bench on {device}: {params:,} parameters, batch {batch_size}, {args.steps} timed "
+        f"steps each ({args.slow_steps} for precisions this device emulates)"
+    )
+    print(bench_table(points))
+    failed = failed_lines(points)
+    if failed:
+        print("\nstrategies that could not run:")
+        for line in failed:
+            print(f"  {line}")
+    print("\n" + recommendation(points, budget))
+    meta = default_meta(str(device), _command(args), device_facts(device).description)
+    meta["torch"] = torch.__version__
+    meta["model"] = f"{cfg.model.name} ({params:,} parameters), batch {batch_size}"
+    meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
+    meta["torch threads"] = torch.get_num_threads()
+    paths = write_bench_files(points, out, budget, meta)
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0

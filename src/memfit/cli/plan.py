@@ -1,0 +1,103 @@
+"""``memfit plan``: the fastest checkpointing / precision / micro-batching that fits a memory budget.
+
+Example:
+    memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
+    memfit plan run.toml --budget 2GiB --out plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memfit.budget import format_bytes, parse_bytes
+from memfit.cli._model import batch_for, describe, optimizer_fn, run_device, spec_for
+from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.errors import ConfigError
+from memfit.plan.planner import plan
+from memfit.records import Plan
+from memfit.report.table import text_table
+
+HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
+
+__all__ = ["HELP", "add_arguments", "plan_table", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Config options, ``--budget``, ``--precision``, ``--out``, ``--no-check``, ``--json``."""
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--budget",
+        metavar="BYTES",
+        help="peak memory of one training step: '2GiB', '500MB', '60%%' of the fp32 no-checkpointing "
+        "peak, or bytes (default: memory.budget of the config)",
+    )
+    parser.add_argument(
+        "--precision",
+        nargs="+",
+        choices=("fp32", "bf16", "fp16", "auto"),
+        help="precision(s) to choose from (default: memory.precision of the config; auto = fp32 and "
+        "what the device runs natively)",
+    )
+    parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
+    parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def plan_table(result: Plan) -> str:
+    """One row per block: its checkpointing mode."""
+    counts: dict[str, int] = {}
+    for mode in result.blocks.values():
+        counts[mode] = counts.get(mode, 0) + 1
+    rows = [[name, mode] for name, mode in result.blocks.items()]
+    summary = ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
+    return text_table(["block", "checkpointing"], rows) + f"\n({summary})"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, plan it under the budget, print the plan and write plan.json."""
+    cfg = config_from_args(args)
+    budget_text = args.budget if args.budget is not None else cfg.memory.budget
+    if not budget_text:
+        raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
+    budget: int | str = budget_text
+    parse_bytes(budget, reference=2**50)  # a bad budget is refused before the model is built
+    precisions = args.precision or [cfg.memory.precision]
+    choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
+    device = run_device(cfg)
+    spec = spec_for(cfg)
+    model = spec.model.to(device)
+    batch = batch_for(spec, cfg, device)
+    opt = optimizer_fn(cfg)(model.parameters())
+    result = plan(model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check)
+    Path(args.out).write_text(result.to_json() + "\n", encoding="utf-8")
+    if args.json:
+        print(result.to_json())
+        return 0
+    print(
+        f"{type(model).__name__} on {device}, batch {describe(batch)}: budget "
+        f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
+        f"{format_bytes(result.baseline_peak_bytes)}"
+    )
+    print()
+    print(plan_table(result))
+    print()
+    print(f"precision      {result.precision}")
+    print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
+    print(
+        f"peak           predicted {format_bytes(result.predicted_peak_bytes)} "
+        f"({_ratio(result.predicted_peak_bytes, result.baseline_peak_bytes)} of the baseline)"
+        + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "")
+    )
+    print(
+        f"step time      predicted {_ratio(result.predicted_step_seconds, result.baseline_step_seconds)} "
+        "of the baseline"
+    )
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"plan written to {args.out}")
+    return 0

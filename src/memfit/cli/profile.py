@@ -1,0 +1,80 @@
+"""``memfit profile``: per-block memory, time and FLOPs of the configured model under each checkpointing mode.
+
+Example:
+    memfit profile --set model.n_layer=4 --set train.batch_size=4 --device-memory 2GiB
+    memfit profile run.toml --json > profile.json
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memfit.budget import format_bytes, parse_bytes
+from memfit.cli._model import batch_for, describe, optimizer_fn, run_device, spec_for
+from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.errors import ConfigError
+from memfit.measure.profile import profile
+from memfit.measure.stepmodel import step_peak
+from memfit.precision import Precision
+from memfit.records import EstimateEntry
+from memfit.report.memory_tables import block_table, strategy_table, verdict_line
+
+HELP = "profile each block's kept memory, backward peak, time and FLOPs under none/selective/full"
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Config options, ``--precision``, ``--repeats``, ``--device-memory``, ``--json``, ``--out``."""
+    add_config_arguments(parser)
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16", "fp16", "auto"),
+        help="default: memory.precision of the config",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (default 3)")
+    parser.add_argument("--device-memory", metavar="BYTES", help="memory to compare against, e.g. 24GiB")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
+    parser.add_argument("--out", metavar="FILE", help="also write the profile as JSON to FILE")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model on its device, profile it, print the block and strategy tables."""
+    memory = None
+    if args.device_memory is not None:
+        memory = parse_bytes(args.device_memory, what="device memory")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
+    cfg = config_from_args(args)
+    device = run_device(cfg)
+    precision = Precision(args.precision or cfg.memory.precision, device=device)
+    spec = spec_for(cfg)
+    model = spec.model.to(device)
+    batch = batch_for(spec, cfg, device)
+    opt = optimizer_fn(cfg)(model.parameters())
+    prof = profile(model, batch, spec.loss_fn, opt, precision, repeats=args.repeats)
+    if args.out:
+        Path(args.out).write_text(prof.to_json() + "\n", encoding="utf-8")
+    if args.json:
+        print(prof.to_json())
+        return 0
+    print(
+        f"{type(model).__name__} on {prof.device}, {prof.precision}, batch {describe(batch)}, "
+        f"{prof.optimizer}: measured peak {format_bytes(prof.measured_peak_bytes)} with no "
+        f"checkpointing, step {prof.step_seconds * 1e3:.1f} ms"
+    )
+    print()
+    print(block_table(prof))
+    print()
+    entries = []
+    for mode in prof.outside.saved_bytes:
+        peak, parts = step_peak(prof, mode)
+        entries.append(EstimateEntry(prof.precision, mode, peak, parts))
+    print(strategy_table(entries, memory))
+    for note in prof.notes:
+        print(f"note: {note}")
+    if args.out:
+        print(f"profile written to {args.out}")
+    print(verdict_line(entries, memory))
+    return 0

@@ -1,0 +1,115 @@
+"""Tables and verdict lines for ``memfit estimate`` and ``memfit profile``.
+
+Rows are strategies (precision / checkpointing mode), columns the parts of the peak
+(parameters, gradients, optimizer, activations, temporaries), the peak, and whether it
+fits the device memory. The verdict line answers the user's question: which is the
+fastest-looking strategy that fits, or that none fits and by how much.
+
+Example:
+    >>> from memfit.records import EstimateEntry
+    >>> e = EstimateEntry("fp32", "none", 10, {"params": 4, "grads": 0, "optimizer": 0,
+    ...                   "activations": 6, "temporaries": 0})
+    >>> verdict_line([e], 8).split(":")[0]
+    'nothing fits in 8 B'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfit.budget import format_bytes
+from memfit.records import BREAKDOWN_KEYS, EstimateEntry, Profile
+from memfit.report.table import text_table
+
+__all__ = ["STRATEGY_HEADERS", "block_table", "strategy_table", "verdict_line"]
+
+STRATEGY_HEADERS = (
+    "strategy",
+    "parameters",
+    "gradients",
+    "optimizer",
+    "activations",
+    "temporaries",
+    "peak",
+    "fits?",
+)
+_MODE_WORDS = {
+    "none": "no checkpointing",
+    "selective": "selective checkpointing",
+    "full": "full checkpointing",
+}
+
+
+def _label(e: EstimateEntry) -> str:
+    return f"{e.precision} / {e.mode}"
+
+
+def _fits(peak: int, device_memory: int | None) -> str:
+    if device_memory is None:
+        return "-"
+    return "yes" if peak <= device_memory else "no"
+
+
+def strategy_table(entries: Sequence[EstimateEntry], device_memory: int | None) -> str:
+    """One row per strategy, in the order given."""
+    rows = [
+        [
+            _label(e),
+            *(format_bytes(e.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS),
+            format_bytes(e.peak_bytes),
+            _fits(e.peak_bytes, device_memory),
+        ]
+        for e in entries
+    ]
+    return text_table(STRATEGY_HEADERS, rows)
+
+
+def verdict_line(ordered: Sequence[EstimateEntry], device_memory: int | None) -> str:
+    """The answer: the first entry (fastest-looking first) that fits, or the shortfall."""
+    if not ordered:
+        return "nothing was estimated."
+    smallest = min(ordered, key=lambda e: e.peak_bytes)
+    words = f"{smallest.precision} with {_MODE_WORDS.get(smallest.mode, smallest.mode)}"
+    if device_memory is None:
+        return (
+            f"smallest strategy: {words}, {format_bytes(smallest.peak_bytes)}; "
+            "give --device-memory (e.g. 24GiB) to see what fits."
+        )
+    for e in ordered:
+        if e.peak_bytes <= device_memory:
+            return (
+                f"fits in {format_bytes(device_memory)}: {e.precision} with "
+                f"{_MODE_WORDS.get(e.mode, e.mode)} (peak {format_bytes(e.peak_bytes)}) is the "
+                "fastest-looking strategy that fits."
+            )
+    short = smallest.peak_bytes - device_memory
+    static = sum(smallest.breakdown.get(k, 0) for k in ("params", "grads", "optimizer"))
+    if static >= device_memory:
+        hint = (
+            f"parameters, gradients and optimizer state alone take {format_bytes(static)}, so "
+            "only fewer parameters, a lighter optimizer or sharding across devices can fit"
+        )
+    else:
+        hint = "use a smaller batch or shorter sequences"
+    return (
+        f"nothing fits in {format_bytes(device_memory)}: the smallest strategy, {words}, needs "
+        f"{format_bytes(smallest.peak_bytes)}, {format_bytes(short)} more; {hint}."
+    )
+
+
+def block_table(prof: Profile) -> str:
+    """Per block (and outside): parameters, kept bytes and backward transients per mode, time, FLOPs."""
+    modes = list(prof.outside.saved_bytes)
+    headers = ["block", "params"]
+    headers += [f"kept {m}" for m in modes] + [f"bw peak {m}" for m in modes]
+    headers += ["fw ms", *[f"bw ms {m}" for m in modes], "fw GFLOP"]
+    rows = []
+    for b in [*prof.blocks, prof.outside]:
+        row = [b.name, format_bytes(b.param_bytes)]
+        row += [format_bytes(b.saved_bytes.get(m, 0)) for m in modes]
+        row += [format_bytes(b.backward_peak_bytes.get(m, 0)) for m in modes]
+        row += [f"{b.forward_seconds * 1e3:.2f}"]
+        row += [f"{b.backward_seconds.get(m, 0.0) * 1e3:.2f}" for m in modes]
+        row += [f"{b.forward_flops / 1e9:.3f}"]
+        rows.append(row)
+    return text_table(headers, rows)
