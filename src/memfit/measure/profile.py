@@ -2,8 +2,9 @@
 
 The planner needs to know, for every block, what checkpointing it saves and what it costs.
 :func:`profile` runs one tracked step per mode (every block in that mode), reads the
-per-block memory from MemTracker (:mod:`memfit.measure.phases`), times each block's forward
-and backward with PyTorch's ``ModTracker`` hooks, and counts FLOPs with ``FlopCounterMode``.
+per-block memory from MemTracker (:mod:`memfit.measure.phases`), times the whole forward and
+backward in each mode (interleaved medians) and splits the time over the blocks by their
+share of the forward FLOPs, which it counts with ``FlopCounterMode``.
 
 Trade-off: profiling runs about ``3 * (2 + repeats)`` steps plus a :func:`memfit.measure`,
 so it costs seconds on small models; the result is a plain record that can be saved and
@@ -30,7 +31,6 @@ from collections import defaultdict
 
 import torch
 from torch import nn
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
@@ -44,7 +44,6 @@ from memfit.step import Batch, LossFn, batch_size, training_step
 
 __all__ = ["profile", "profile_from_memory"]
 
-_FORWARD, _BACKWARD = "<forward>", "<backward>"
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -57,69 +56,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _block_times(
+def _mode_times(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
     precision: Precision,
     blocks: list[str],
+    modes: tuple[str, ...],
     repeats: int,
-) -> tuple[dict[str, float], dict[str, float]]:
-    """Median forward and backward seconds of each block over ``repeats`` steps.
+) -> dict[str, tuple[float, float]]:
+    """Median (forward, backward) seconds of the whole model with every block in each mode.
 
-    The whole forward and backward are reported under the keys ``_FORWARD``/``_BACKWARD``.
+    Modes run interleaved (none, selective, full, none, ...) after one warm-up round, so
+    drift of a shared machine hits them alike.
     """
     device = _device_of(model)
-    names = {id(model.get_submodule(b)): b for b in blocks}
-    tracker = ModTracker()
-    starts: dict[tuple[str, str], float] = {}
     fw: dict[str, list[float]] = defaultdict(list)
     bw: dict[str, list[float]] = defaultdict(list)
-
-    def _mark(module: nn.Module | None, kind: str, end: bool) -> None:
-        name = names.get(id(module)) if module is not None else None
-        if name is None or (kind == "f" and tracker.is_bw):
-            return
-        _sync(device)
-        now = time.perf_counter()
-        if not end:
-            starts[(kind, name)] = now
-        elif (kind, name) in starts:
-            (fw if kind == "f" else bw)[name].append(now - starts.pop((kind, name)))
-
-    steps: dict[str, list[float]] = defaultdict(list)
     marks: dict[str, float] = {}
 
-    def _phase(name: str) -> None:
+    def _mark(name: str) -> None:
         _sync(device)
-        now = time.perf_counter()
-        steps[name].append(now - marks["last"])
-        marks["last"] = now
+        marks[name] = time.perf_counter()
 
-    tracker.register_user_hooks(
-        lambda m, i: _mark(m, "f", False),
-        lambda m, i, o: _mark(m, "f", True),
-        lambda m, g: _mark(m, "b", False),
-        lambda m, g: _mark(m, "b", True),
-    )
-    with tracker:
-        for _ in range(repeats):
-            _sync(device)
-            marks["last"] = time.perf_counter()
+    for round_ in range(repeats + 1):
+        for mode in modes:
+            if blocks:
+                set_block_modes(model, {b: mode for b in blocks})
+            _mark("start")
             training_step(
                 model,
                 batch,
                 loss_fn,
                 None,
                 precision,
-                after_forward=lambda: _phase(_FORWARD),
-                after_backward=lambda: _phase(_BACKWARD),
+                after_forward=lambda: _mark("forward"),
+                after_backward=lambda: _mark("backward"),
             )
-    med_fw = {k: statistics.median(v) for k, v in fw.items()}
-    med_bw = {k: statistics.median(v) for k, v in bw.items()}
-    med_fw[_FORWARD] = statistics.median(steps[_FORWARD])
-    med_bw[_BACKWARD] = statistics.median(steps[_BACKWARD])
-    return med_fw, med_bw
+            if round_:
+                fw[mode].append(marks["forward"] - marks["start"])
+                bw[mode].append(marks["backward"] - marks["forward"])
+    return {m: (statistics.median(fw[m]), statistics.median(bw[m])) for m in modes}
+
+
+def _shares(prof: Profile, fw_flops: dict[str, int], root: str) -> tuple[list[float], float]:
+    """Each block's and the outside part's share of the forward work.
+
+    FLOPs where FlopCounterMode counts any (matmuls, convolutions); parameter bytes where it
+    counts none (e.g. a model of elementwise ops only).
+    """
+    weights = [float(fw_flops.get(f"{root}.{b.name}", 0)) for b in prof.blocks]
+    outside = float(max(0, fw_flops.get("Global", 0) - sum(weights)))
+    if sum(weights) + outside <= 0:
+        weights = [float(b.param_bytes) for b in prof.blocks]
+        outside = float(prof.outside.param_bytes)
+    total = sum(weights) + outside or 1.0
+    return [w / total for w in weights], outside / total
 
 
 def _flops(
@@ -241,7 +233,6 @@ def profile(
     scaler_state = prec.scaler.state_dict()
     memory: dict[str, StepMemory] = {}
     totals: dict[str, dict[str, int]] = {}
-    times: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
     modes = CHECKPOINT_MODES if blocks else ("none",)
     try:
         with preserved(model, optimizer):
@@ -255,7 +246,7 @@ def profile(
                     set_block_modes(model, {b: mode for b in blocks})
                 memory[mode] = phased_step(model, batch, loss_fn, optimizer, prec, blocks)
                 totals[mode] = _flops(model, batch, loss_fn, prec, grad=True)
-                times[mode] = _block_times(model, batch, loss_fn, prec, blocks, repeats)
+            times = _mode_times(model, batch, loss_fn, prec, blocks, modes, repeats)
             uncheckpoint(model)
             base = measure(model, batch, loss_fn, optimizer, prec, steps=repeats)
     finally:
@@ -266,23 +257,32 @@ def profile(
             prec.scaler.load_state_dict(scaler_state)
     prof = profile_from_memory(model, blocks, memory, prec.mode, batch_size(batch))
     root = type(model).__name__
+    # NOTE: per-block hooks time a block badly on a CPU (hook and dispatch overhead is as large
+    # as a small block, and recompute runs inside another block's backward). The whole step
+    # is timed instead, per mode, and split over the blocks by their share of the forward
+    # FLOPs: a block's cost in mode m is its share of (forward + backward with all blocks in
+    # m), less the outside part's share, which does not depend on the blocks' mode.
+    shares, out_share = _shares(prof, fw_flops, root)
+    fw_none, bw_none = times["none"]
+    out = prof.outside
+    out.forward_seconds = fw_none * out_share
+    block_share = (1.0 - out_share) or 1.0
     fw_blocks = 0
-    for st in prof.blocks:
+    for st, share in zip(prof.blocks, shares, strict=True):
         key = f"{root}.{st.name}"
         st.forward_flops = fw_flops.get(key, 0)
         fw_blocks += st.forward_flops
-        st.forward_seconds = times["none"][0].get(st.name, 0.0)
+        st.forward_seconds = fw_none * share
         for mode in modes:
             st.backward_flops[mode] = totals[mode].get(key, 0) - st.forward_flops
-            st.backward_seconds[mode] = times[mode][1].get(st.name, 0.0)
-    out = prof.outside
+            fw_m, bw_m = times[mode]
+            blocks_time = fw_m + bw_m - fw_none * out_share - bw_none * out_share
+            st.backward_seconds[mode] = max(0.0, blocks_time * share / block_share - st.forward_seconds)
     out.forward_flops = fw_flops.get("Global", 0) - fw_blocks
-    out.forward_seconds = max(0.0, times["none"][0][_FORWARD] - sum(b.forward_seconds for b in prof.blocks))
     for mode in modes:
         blocks_total = sum(totals[mode].get(f"{root}.{st.name}", 0) for st in prof.blocks)
         out.backward_flops[mode] = totals[mode].get("Global", 0) - blocks_total - out.forward_flops
-        bw_blocks = sum(b.backward_seconds[mode] for b in prof.blocks)
-        out.backward_seconds[mode] = max(0.0, times[mode][1][_BACKWARD] - bw_blocks)
+        out.backward_seconds[mode] = bw_none * out_share
     prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
     prof.optimizer_bytes_by_dtype = by_dtype
     prof.input_bytes = tensor_bytes(batch)

@@ -226,18 +226,17 @@ def simulate(
 
 
 def block_seconds(block: BlockStats) -> dict[str, float]:
-    """Forward + backward seconds per mode, made monotone (recompute never makes it faster).
+    """Forward + backward seconds per mode; a checkpointing mode never costs less than keeping.
 
-    # NOTE: on a noisy machine a measured "selective" backward can come out faster than
-    # "none"; the planner would then checkpoint for nothing, so each mode costs at least the
-    # mode that recomputes less.
+    # NOTE: on a noisy machine a measured recompute can come out faster than keeping the
+    # activations; the planner would then checkpoint for nothing, so every mode costs at
+    # least "none". Selective and full are not ordered: on a CPU the selective-checkpoint
+    # dispatch overhead can make selective slower than full, and the planner should see it.
     """
-    out: dict[str, float] = {}
-    floor = 0.0
-    for mode in block_options(block):
-        floor = max(floor, block.forward_seconds + block.backward_seconds.get(mode, 0.0))
-        out[mode] = floor
-    return out
+    options = block_options(block)
+    total = {m: block.forward_seconds + block.backward_seconds.get(m, 0.0) for m in options}
+    floor = total[options[0]]
+    return {m: max(floor, t) for m, t in total.items()}
 
 
 def predict_step_seconds(
