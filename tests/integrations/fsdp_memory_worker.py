@@ -16,6 +16,7 @@ from memfit.measure.profile import profile
 from memfit.plan.planner import apply, plan_from_profiles
 from memfit.plan.sharding import shard_profile
 from memfit.precision import Precision
+from memfit.records import Profile
 from memfit.step import training_step
 from memfit.train.distributed import init_distributed, local_batch, wrap_model
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
@@ -31,7 +32,12 @@ def main() -> None:
     x = torch.randint(0, 256, (16, 64), generator=g)
     batch = local_batch((x, x), ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    prof = shard_profile(profile(model, batch, gpt_loss, opt, "fp32"), ctx.world_size)
+    measured = profile(model, batch, gpt_loss, opt, "fp32")
+    # NOTE: every rank must run the same plan (FSDP2's collectives must match), and measured
+    # times differ by rank: plan from rank 0's profile on every rank.
+    shared = [measured.to_dict()]
+    dist.broadcast_object_list(shared, src=0)
+    prof = shard_profile(Profile.from_dict(shared[0]), ctx.world_size)
     none = plan_from_profiles({"fp32": prof}, 1 << 40)
     budget = int(budget_fraction * none.predicted_peak_bytes)
     chosen = plan_from_profiles({"fp32": prof}, budget)
