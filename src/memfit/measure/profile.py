@@ -45,7 +45,6 @@ from memfit.step import Batch, LossFn, batch_size, training_step
 __all__ = ["profile", "profile_from_memory"]
 
 
-
 def _param_bytes(module: nn.Module) -> int:
     tensors = list(module.parameters()) + list(module.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
