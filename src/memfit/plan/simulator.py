@@ -226,17 +226,24 @@ def simulate(
 
 
 def block_seconds(block: BlockStats) -> dict[str, float]:
-    """Forward + backward seconds per mode; a checkpointing mode never costs less than keeping.
+    """Forward + backward seconds per mode; a mode costs at least keeping plus its recompute.
 
-    # NOTE: on a noisy machine a measured recompute can come out faster than keeping the
-    # activations; the planner would then checkpoint for nothing, so every mode costs at
-    # least "none". Selective and full are not ordered: on a CPU the selective-checkpoint
-    # dispatch overhead can make selective slower than full, and the planner should see it.
+    # NOTE: timings on a shared machine are noisy, and a measured recompute can come out as
+    # fast as keeping the activations; the planner would then checkpoint for nothing. FLOPs
+    # are exact, so each mode costs at least the "none" time plus its extra FLOPs (the
+    # recompute) at the block's own forward speed. Selective and full are not ordered beyond
+    # that: on a CPU the selective-checkpoint dispatch overhead can make selective slower.
     """
     options = block_options(block)
     total = {m: block.forward_seconds + block.backward_seconds.get(m, 0.0) for m in options}
     floor = total[options[0]]
-    return {m: max(floor, t) for m, t in total.items()}
+    base_flops = block.backward_flops.get(options[0], 0)
+    speed = block.forward_seconds / block.forward_flops if block.forward_flops > 0 else 0.0
+    out = {}
+    for m, t in total.items():
+        recompute = max(0, block.backward_flops.get(m, 0) - base_flops) * speed
+        out[m] = max(t, floor + recompute)
+    return out
 
 
 def predict_step_seconds(
