@@ -1,4 +1,4 @@
-"""``memfit.plan`` and ``memfit.apply``: choose the cheapest plan that fits a budget, then apply it.
+"""``memfit.plan``: choose the cheapest plan that fits a budget (``memfit.apply`` applies it).
 
 ``plan`` profiles the model at each allowed precision, asks the exact solver for the
 fastest per-block checkpointing that fits at one micro-batch, then two, four... (the batch
@@ -25,26 +25,25 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-from memfit.budget import format_bytes, parse_bytes
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
-from memfit.measure.memory import measure
-from memfit.plan.simulator import predict_step_seconds, simulate
-from memfit.plan.solver import Solution, minimum_peak, solve
+from memfit.measuring.memory import measure
+from memfit.planning.solver import Solution, minimum_peak, solve
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
+from memfit.stepmodel import predict_step_seconds, simulate
+from memfit.vocab import PRECISIONS
 
-__all__ = ["apply", "plan", "plan_from_profiles"]
+__all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
-_PLAN_MODES = {"keep": "none", "none": "none", "selective": "selective", "full": "full"}
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
 
@@ -53,7 +52,7 @@ def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def _candidates(precision: str | Sequence[str], device: torch.device) -> list[str]:
+def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[str]:
     """The precisions to choose from: "auto" = fp32 and what the device runs natively."""
     if isinstance(precision, str):
         if precision == "auto":
@@ -62,10 +61,10 @@ def _candidates(precision: str | Sequence[str], device: torch.device) -> list[st
         chosen = [precision]
     else:
         chosen = list(precision)
-    bad = [p for p in chosen if p not in _PRECISIONS]
+    bad = [p for p in chosen if p not in PRECISIONS]
     if bad or not chosen:
         raise UnsupportedPrecision(
-            f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(_PRECISIONS)}, "
+            f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(PRECISIONS)}, "
             "or a list of them."
         )
     return list(dict.fromkeys(chosen))
@@ -76,7 +75,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _to_plan_modes(profile: Profile, modes: Sequence[str]) -> dict[str, str]:
-    return {b.name: ("keep" if m == "none" else m) for b, m in zip(profile.blocks, modes, strict=True)}
+    return {b.name: m for b, m in zip(profile.blocks, modes, strict=True)}
 
 
 def _explain(best: tuple[str, int, Solution], profiles: Mapping[str, Profile], budget: int) -> str:
@@ -154,7 +153,7 @@ def plan_from_profiles(
 def _profile(
     model: nn.Module, batch: Batch, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None, precision: str
 ) -> Profile:
-    from memfit.measure.profile import profile
+    from memfit.measuring.profile import profile
 
     return profile(model, batch, loss_fn, optimizer, precision)
 
@@ -163,7 +162,7 @@ def plan(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: int | str,
+    budget: int | str | Budget,
     optimizer: torch.optim.Optimizer | None = None,
     precision: str | Sequence[str] = "auto",
     *,
@@ -190,8 +189,8 @@ def plan(
         ConfigError: the budget cannot be read or is not positive.
     """
     device = _device(model)
-    wanted = _candidates(precision, device)
-    parse_bytes(budget, reference=2**50)  # refuse a bad budget before any profiling
+    wanted = candidate_precisions(precision, device)
+    spec = Budget.parse(budget)  # a bad budget is refused before any profiling
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
@@ -206,7 +205,7 @@ def plan(
         else:
             report = measure(model, batch, loss_fn, optimizer, "fp32", steps=1)
             baseline_peak, baseline_seconds = report.peak_bytes, report.step_seconds
-        budget_bytes = parse_bytes(budget, reference=baseline_peak)
+        budget_bytes = spec.resolve(baseline_peak)
         result = plan_from_profiles(profs, budget_bytes, baseline_peak, baseline_seconds)
         if check:
             result = _checked(model, batch, loss_fn, optimizer, profs, result)
@@ -275,50 +274,3 @@ def _checked(
         minimum_bytes=result.measured_peak_bytes,
         budget_bytes=budget,
     )
-
-
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """Apply a plan's per-block checkpointing to ``model`` in place and return it.
-
-    Precision and micro-batches are run by the training step (``memfit.Trainer`` takes them
-    from the plan); checkpointing not named by the plan is removed.
-
-    Args:
-        model: the model the plan was made for.
-        plan: a :class:`Plan` (e.g. from :func:`plan` or ``Plan.from_json``).
-
-    Returns:
-        The same model object.
-
-    Raises:
-        ConfigError: the plan names blocks the model does not have, or an unknown mode.
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> _ = apply(model, Plan(blocks={"0": "full", "1": "keep"}))
-        >>> from memfit.checkpointing import checkpointed_blocks
-        >>> checkpointed_blocks(model)
-        {'0': 'full'}
-    """
-    modules = {n for n, _ in model.named_modules() if n}
-    missing = [n for n in plan.blocks if n not in modules]
-    if missing:
-        hints = []
-        for name in missing:
-            close = difflib.get_close_matches(name, sorted(modules), n=1)
-            hints.append(repr(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(
-            f"the plan names block(s) {', '.join(hints)} that {type(model).__name__} does not have; "
-            "it was made for a different model: run memfit plan again for this one."
-        )
-    bad = {n: m for n, m in plan.blocks.items() if m not in _PLAN_MODES}
-    if bad:
-        raise ConfigError(f"unknown block mode(s) {bad} in the plan; use keep, selective or full.")
-    if plan.precision not in _PRECISIONS:
-        raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(_PRECISIONS)}.")
-    if plan.micro_batches < 1:
-        raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
-    uncheckpoint(model)
-    set_block_modes(model, {n: _PLAN_MODES[m] for n, m in plan.blocks.items()})
-    return model
