@@ -215,11 +215,29 @@ def _contexts(module: nn.Module, mode: str) -> tuple[Any, Any]:
     return fwd, _keep_running_stats(module, rec)
 
 
+def _compiled_contexts(mode: str) -> dict[str, Any]:
+    """What a checkpoint traced by ``torch.compile`` is given: PyTorch's own contexts only.
+
+    # NOTE: under torch.compile the checkpointed region becomes one higher-order op whose
+    # backward the AOT partitioner builds; the compiler accepts no context_fn but PyTorch's
+    # selective-checkpoint dispatch modes (or none at all). BatchNorm-once needs no context
+    # there: the compiled graph is functionalized, buffer mutations are applied once after
+    # the forward and are never part of what the partitioner recomputes.
+    """
+    if mode == "selective":
+        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
+    return {}
+
+
 def _checkpointed_forward(
     inner: Callable[..., Any], module: nn.Module, mode: str, *args: Any, **kwargs: Any
 ) -> Any:
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        contexts = _compiled_contexts(mode)
+    else:
+        contexts = {"context_fn": functools.partial(_contexts, module, mode)}
     # NOTE: non-reentrant checkpointing replays the RNG state (dropout masks match) and
     # records the autocast state, so the recompute runs at the forward's precision.
     return _torch_checkpoint(
@@ -227,7 +245,7 @@ def _checkpointed_forward(
         *args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=functools.partial(_contexts, module, mode),
+        **contexts,
         **kwargs,
     )
 

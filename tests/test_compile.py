@@ -1,0 +1,133 @@
+"""Checkpointing under torch.compile (inductor): the same guarantees as eager.
+
+A model checkpointed by memfit (full, selective, every 2nd block, or a plan) and then
+compiled computes the same loss, gradients and buffers as the same model compiled plain,
+BatchNorm statistics advance once per step, and state_dict keys do not change.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from conftest import (
+    DropoutMLP,
+    SmallCNN,
+    cnn_loss,
+    image_batch,
+    mse_loss,
+    tiny_gpt,
+    token_batch,
+    vector_batch,
+)
+from torch import nn
+
+import memfit
+from memfit.checkpointing import checkpointed_blocks
+from memfit.stepmodel import simulate
+from memfit.train.gpt import gpt_loss
+
+pytestmark = pytest.mark.slow
+
+# NOTE: the plain and the checkpointed model are different graphs to inductor, which may
+# fuse (and so round) a reduction differently in the recompute; equality is to float32
+# rounding of the same math, as for bf16 in test_checkpointing.py.
+COMPILED_TOL = {"rtol": 1e-5, "atol": 1e-6}
+#: Steps per run: BatchNorm's num_batches_tracked must read exactly this afterwards.
+STEPS = 2
+
+Case = tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], Any]
+CASES: dict[str, Case] = {
+    "gpt": (lambda: tiny_gpt(n_layer=3), gpt_loss, token_batch()),
+    "cnn_batchnorm": (lambda: _seeded(SmallCNN, n_blocks=3), cnn_loss, image_batch()),
+    "mlp_dropout": (lambda: _seeded(DropoutMLP, n_blocks=3), mse_loss, vector_batch()),
+}
+VARIANTS = ["full", "selective", "every2", "planned"]
+
+
+def _seeded(cls: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return cls(**kwargs)
+
+
+Run = list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_compile_thread() -> Iterator[None]:
+    # NOTE: on a 2-core machine inductor's pool of compile workers costs more than it saves.
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.compile_threads
+    inductor_config.compile_threads = 1
+    yield
+    inductor_config.compile_threads = before
+    torch._dynamo.reset()
+
+
+def _train(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: Any) -> Run:
+    """Compile ``model`` and take STEPS forward/backward passes from fixed RNG seeds."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    model.train()
+    out: Run = []
+    for step in range(STEPS):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(100 + step)
+        loss = loss_fn(compiled, batch)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        out.append((loss.detach(), grads, buffers))
+    return out
+
+
+_REFERENCE: dict[str, Run] = {}
+
+
+def _reference(case: str) -> Run:
+    if case not in _REFERENCE:
+        make, loss_fn, batch = CASES[case]
+        _REFERENCE[case] = _train(make(), loss_fn, batch)
+    return _REFERENCE[case]
+
+
+def _checkpointed(case: str, variant: str) -> nn.Module:
+    make, loss_fn, batch = CASES[case]
+    model = make()
+    if variant == "planned":
+        # planned in eager mode on a copy (profiling runs steps), halfway between checkpointing
+        # everything and nothing, so the plan mixes modes; then applied to the model
+        prof = memfit.profile(copy.deepcopy(model), batch, loss_fn, repeats=1)
+        budget = (simulate(prof, "full").peak_bytes + simulate(prof, "none").peak_bytes) // 2
+        plan = memfit.plan(
+            model, batch, loss_fn, budget, precision="fp32", check=False, profiles={"fp32": prof}
+        )
+        memfit.apply(model, plan)
+    else:
+        memfit.checkpoint(model, mode="selective" if variant == "selective" else "full")
+        if variant == "every2":
+            memfit.checkpoint(model, mode="full", every=2)
+    return model
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_compiled_checkpointing_equals_compiled_plain(case: str, variant: str) -> None:
+    ref = _reference(case)
+    model = _checkpointed(case, variant)
+    keys = set(CASES[case][0]().state_dict())
+    assert checkpointed_blocks(model), "nothing was checkpointed"
+    got = _train(model, CASES[case][1], CASES[case][2])
+    for step, ((ref_loss, ref_grads, ref_bufs), (loss, grads, bufs)) in enumerate(zip(ref, got, strict=True)):
+        torch.testing.assert_close(loss, ref_loss, **COMPILED_TOL, msg=f"loss, step {step + 1}")
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **COMPILED_TOL, msg=name)
+        for name in ref_bufs:
+            torch.testing.assert_close(bufs[name], ref_bufs[name], **COMPILED_TOL, msg=name)
+    tracked = {n: int(b) for n, b in got[-1][2].items() if n.endswith("num_batches_tracked")}
+    assert all(v == STEPS for v in tracked.values()), tracked  # once per step, not per recompute
+    assert set(model.state_dict()) == keys
