@@ -1,8 +1,8 @@
 """The Trainer: runs training steps with a precision, a plan, progress, metrics and resume.
 
-It composes the pieces and decides nothing: every step is :func:`memfit.step.training_step`
-(autocast, loss scaling, gradient accumulation, clipping after unscaling, zero_grad with
-``set_to_none``), memory comes from :class:`memfit.measuring.memory.MemoryWatch`, and
+It composes the pieces and decides nothing: it runs its plan with :func:`memfit.prepare`
+and :func:`memfit.train_step`'s step (autocast, loss scaling, gradient accumulation,
+clipping after unscaling, zero_grad with ``set_to_none``), memory comes from :class:`memfit.measuring.memory.MemoryWatch`, and
 training state goes through :mod:`memfit.train.state`.
 
 Every step runs through a :class:`memfit.check.guards.Guard` (on by default, cheap): fp16
@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -41,6 +42,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError
+from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
@@ -49,7 +51,6 @@ from memfit.train.callbacks import Callback
 from memfit.train.distributed import DistContext, global_mean, local_batch, unwrap
 from memfit.train.sharded_state import load_sharded, save_sharded, sharded
 from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
-from memfit.vocab import normalize_mode
 
 __all__ = ["Trainer"]
 
@@ -68,10 +69,6 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
     return batch
 
 
-def _plan_mode(mode: str) -> str | None:
-    return None if normalize_mode(mode) == "none" else mode
-
-
 class Trainer:
     """Train a model step by step in the chosen precision, reporting what each step cost.
 
@@ -82,8 +79,8 @@ class Trainer:
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"auto"`` or a Precision; default
             the plan's precision, else ``"auto"``.
-        plan: a :class:`memfit.Plan`; the Trainer takes its precision and micro-batches
-            and checks that the model is checkpointed as the plan says.
+        plan: a :class:`memfit.Plan`; the Trainer applies it with :func:`memfit.prepare`
+            (per-block checkpointing) and takes its precision and micro-batches.
         micro_batches: split each batch into this many micro-batches with gradient
             accumulation (default: the plan's, else 1).
         clip_norm: clip the gradient norm to this (after unscaling); None turns it off.
@@ -136,7 +133,7 @@ class Trainer:
         self.loss_fn = loss_fn
         self.device = _model_device(model)
         if plan is not None:
-            _check_plan(model, plan, precision, micro_batches)
+            _check_plan(plan, precision, micro_batches)
             precision = precision if precision is not None else plan.precision
             micro_batches = micro_batches if micro_batches is not None else plan.micro_batches
         self.plan = plan
@@ -149,6 +146,14 @@ class Trainer:
         if clip_norm is not None and not clip_norm > 0:
             raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
         self.clip_norm = clip_norm
+        # NOTE: every step is memfit.loop.planned_step of this plan (memfit.train_step's own
+        # step); without a plan, the model's checkpointing, precision and micro-batches are one.
+        self._running = plan or Plan(
+            blocks=checkpointed_blocks(unwrap(model)),
+            precision=self.precision.mode,
+            micro_batches=self.micro_batches,
+        )
+        prepare(model, optimizer, self._running, precision=self.precision)
         self.scheduler = scheduler
         self.callbacks: list[Callback] = list(callbacks)
         self.progress = progress
@@ -188,8 +193,16 @@ class Trainer:
             self.step_count + 1,
             self.micro_batches,
             self.clip_norm,
+            run=lambda loss_fn, precision: self._planned_step(batch, loss_fn, precision),
         )
         return result
+
+    def _planned_step(self, batch: Batch, loss_fn: LossFn, precision: Precision) -> StepResult:
+        if precision is not prepared(self.optimizer).precision:
+            # NOTE: the guard fell back to another precision: this step and the next run it.
+            self._running = dataclasses.replace(self._running, precision=precision.mode)
+            prepare(self.model, self.optimizer, self._running, precision=precision)
+        return planned_step(self.model, batch, loss_fn, self.optimizer, self._running, clip_norm=self.clip_norm)
 
     def _save_last_good(self) -> Path:
         """Write the state before the failing step (weights are not yet updated by it)."""
@@ -413,9 +426,7 @@ def _postfix(m: StepMetrics, scaled: bool) -> str:
     return text
 
 
-def _check_plan(
-    model: nn.Module, plan: Plan, precision: str | Precision | None, micro_batches: int | None
-) -> None:
+def _check_plan(plan: Plan, precision: str | Precision | None, micro_batches: int | None) -> None:
     asked = precision.mode if isinstance(precision, Precision) else precision
     if asked is not None and asked != plan.precision:
         raise ConfigError(
@@ -425,10 +436,4 @@ def _check_plan(
         raise ConfigError(
             f"micro_batches={micro_batches} contradicts the plan's {plan.micro_batches}; pass one of them."
         )
-    actual = checkpointed_blocks(unwrap(model))
-    for name, mode in plan.blocks.items():
-        if actual.get(name) != _plan_mode(mode):
-            raise ConfigError(
-                f"block {name!r} is checkpointed as {actual.get(name) or 'none'!r} but the plan says "
-                f"{mode!r}; call memfit.apply(model, plan) before creating the Trainer."
-            )
+
