@@ -101,10 +101,10 @@ def test_prepare_is_required_and_plan_must_match() -> None:
     model = tiny_gpt(n_layer=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = Plan(blocks={"blocks.0": "full"})
-    with pytest.raises(ConfigError, match="memfit.prepare"):
+    with pytest.raises(ConfigError, match=r"memfit\.prepare"):
         memfit.train_step(model, token_batch(), gpt_loss, opt, plan)
     memfit.prepare(model, opt, plan)
-    with pytest.raises(ConfigError, match="not the one given to memfit.prepare"):
+    with pytest.raises(ConfigError, match=r"not the one given to memfit\.prepare"):
         memfit.train_step(model, token_batch(), gpt_loss, opt, Plan(blocks={"blocks.0": "selective"}))
     with pytest.raises(ConfigError, match="another model"):
         memfit.train_step(tiny_gpt(n_layer=1), token_batch(), gpt_loss, opt, plan)

@@ -150,9 +150,7 @@ def planned_step(
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
-    return training_step(
-        model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm
-    )
+    return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)
 
 
 def train_step(

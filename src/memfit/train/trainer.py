@@ -2,8 +2,9 @@
 
 It composes the pieces and decides nothing: it runs its plan with :func:`memfit.prepare`
 and :func:`memfit.train_step`'s step (autocast, loss scaling, gradient accumulation,
-clipping after unscaling, zero_grad with ``set_to_none``), memory comes from :class:`memfit.measuring.memory.MemoryWatch`, and
-training state goes through :mod:`memfit.train.state`.
+clipping after unscaling, zero_grad with ``set_to_none``), memory comes from
+:class:`memfit.measuring.tracker.MemoryWatch`, and training state goes through
+:mod:`memfit.train.state`.
 
 Every step runs through a :class:`memfit.check.guards.Guard` (on by default, cheap): fp16
 loss-scaler warnings, a stop with the attribution and the last good state on disk when an
@@ -202,7 +203,9 @@ class Trainer:
             # NOTE: the guard fell back to another precision: this step and the next run it.
             self._running = dataclasses.replace(self._running, precision=precision.mode)
             prepare(self.model, self.optimizer, self._running, precision=precision)
-        return planned_step(self.model, batch, loss_fn, self.optimizer, self._running, clip_norm=self.clip_norm)
+        return planned_step(
+            self.model, batch, loss_fn, self.optimizer, self._running, clip_norm=self.clip_norm
+        )
 
     def _save_last_good(self) -> Path:
         """Write the state before the failing step (weights are not yet updated by it)."""
@@ -436,4 +439,3 @@ def _check_plan(plan: Plan, precision: str | Precision | None, micro_batches: in
         raise ConfigError(
             f"micro_batches={micro_batches} contradicts the plan's {plan.micro_batches}; pass one of them."
         )
-
