@@ -13,6 +13,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+import memfit
 from memfit.errors import MemfitError
 
 __all__ = ["main"]
@@ -25,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="memfit",
         description="Train PyTorch models in less memory: measure, plan, apply, run, report.",
     )
+    parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in _COMMANDS:
         if importlib.util.find_spec(f"memfit.cli.{name}") is None:

@@ -2,8 +2,9 @@
 
 Builds the model, data, optimizer and schedule from the config, applies the precision and
 checkpointing it names, trains with :class:`memfit.Trainer`, and writes ``metrics.jsonl``,
-``state.pt`` (every ``train.checkpoint_every`` steps and at the end) and ``report.md`` to
-``train.out``. ``resume`` continues a run from its saved state, bit for bit on a CPU.
+``state.pt`` (every ``train.checkpoint_every`` steps and at the end), ``report.md``,
+``loss.png`` and ``memory.png`` to ``train.out``. ``resume`` continues a run from its saved
+state, bit for bit on a CPU.
 
 Trade-off: a resumed run must use the settings that shape the numbers (model, data,
 optimizer, precision, batch, seed); it refuses a config that changes them rather than
@@ -44,6 +45,7 @@ from memfit.errors import ConfigError, StateError
 from memfit.planning.planner import plan
 from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
+from memfit.report.plots import training_plots
 from memfit.report.table import mode_counts
 from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
@@ -393,8 +395,11 @@ def train_from_config(
     if trainer.stop_reason:
         notes.append(f"stopped early: {trainer.stop_reason}")
     notes += [f"guard, step {e.step}: {e.message}" for e in trainer.guard.events]
+    mem = trainer.memory.breakdown if trainer.memory else None
+    files.update(training_plots(out, history, mem, budget, f"memfit train: {cfg.model.name}"))
+    images = [files[k].name for k in ("loss", "memory") if k in files]
     files["report"].write_text(
-        training_report("memfit train", history, trainer.memory, settings, notes), encoding="utf-8"
+        training_report("memfit train", history, trainer.memory, settings, notes, images), encoding="utf-8"
     )
     s = summarize(history)
     echo(
