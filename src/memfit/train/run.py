@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import signal
 import sys
@@ -51,7 +52,8 @@ from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
-from memfit.train.distributed import init_distributed, wrap_model
+from memfit.train.dist_plan import gather_ranks, plan_for_ranks
+from memfit.train.distributed import DistContext, init_distributed, wrap_model
 from memfit.train.schedule import lr_schedule
 from memfit.train.sharded_state import load_sharded
 from memfit.train.state import load_state, previous_path
@@ -139,11 +141,6 @@ def _check_auto(cfg: Config) -> None:
     if not cfg.memory.budget:
         raise ConfigError(
             'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
-        )
-    if cfg.train.distributed != "none":
-        raise ConfigError(
-            f'memory.checkpointing = "auto" plans for one process, not train.distributed = '
-            f'"{cfg.train.distributed}"; choose none, full, selective or every:K for a torchrun run.'
         )
 
 
@@ -250,6 +247,19 @@ def _data(cfg: Config, spec: Any) -> tuple[Any, list[Any], str]:
     return sampler, val_batches, f"{corpus.source} ({format_bytes(size)}, byte-level)"
 
 
+def _ranks(trainer: Trainer, ctx: DistContext, out: Path, budget: int | None) -> list[str]:
+    """Under torchrun: every rank's checkpointing, precision and peak, to ``ranks.json`` (rank 0)."""
+    if not ctx.active:
+        return []
+    peak = trainer.memory.peak_bytes if trainer.memory else None
+    rows = gather_ranks(trainer.model, trainer.precision.mode, trainer.micro_batches, peak, ctx)
+    if ctx.is_main:
+        (out / "ranks.json").write_text(json.dumps({"budget_bytes": budget, "ranks": rows}, indent=2) + "\n")
+    same = all(r["blocks"] == rows[0]["blocks"] and r["precision"] == rows[0]["precision"] for r in rows)
+    peaks = ", ".join(f"rank {r['rank']} {format_bytes(r['peak_bytes'] or 0)}" for r in rows)
+    return [f"per-rank peaks: {peaks}; every rank ran {'the same' if same else 'a DIFFERENT'} plan"]
+
+
 def train_from_config(
     cfg: Config,
     resume: str | None = None,
@@ -302,7 +312,12 @@ def train_from_config(
     opt = _optimizer(model, cfg)
     chosen: Plan | None = None
     if cfg.memory.checkpointing == "auto":
-        chosen = plan(model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision)
+        if dist_ctx.active:  # NOTE: planned on rank 0 for one rank's memory, the same on every rank
+            chosen = plan_for_ranks(
+                model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision, dist_ctx
+            )
+        else:
+            chosen = plan(model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision)
         apply(model, chosen)
         budget = chosen.budget_bytes
         precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
@@ -370,6 +385,7 @@ def train_from_config(
             eval_fn=lambda _m: trainer.evaluate(val_batches),
             eval_every=cfg.train.eval_every or None,
         )
+    ranks = _ranks(trainer, dist_ctx, out, budget)
     if not dist_ctx.is_main:
         return TrainRun(
             out=out, trainer=trainer, history=trainer.history, resumed_from=resumed_from, files={}
@@ -392,6 +408,7 @@ def train_from_config(
     notes = [f"resumed from {state_path} at step {resumed_from}"] if resumed_from is not None else []
     if watch and watch.verdict:
         notes.append(watch.verdict)
+    notes += ranks
     if trainer.stop_reason:
         notes.append(f"stopped early: {trainer.stop_reason}")
     notes += [f"guard, step {e.step}: {e.message}" for e in trainer.guard.events]
