@@ -1,0 +1,27 @@
+"""The README's blocks that need the extras (transformers, lightning, accelerate) run as pasted."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from readme_blocks import python_blocks, run_block  # noqa: E402
+
+EXTRAS = [(line, code) for line, mark, code in python_blocks() if mark == "extras"]
+_NEEDS = {"transformers": "transformers", "lightning": "lightning", "accelerate": "accelerate"}
+
+
+@pytest.mark.parametrize(("line", "code"), EXTRAS, ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+def test_readme_extras_block_runs_as_pasted(
+    line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for package in _NEEDS.values():
+        if f"import {package}" in code or f"from {package}" in code:
+            pytest.importorskip(package, reason=f"{package} is not installed")
+    monkeypatch.chdir(tmp_path)
+    run_block(line, code)
