@@ -10,7 +10,8 @@ STAMP := $(VENV)/.memfit-installed
 EXTRAS_VENV ?= .venv-extras
 EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
 EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py \
-	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py
+	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py \
+	tests/integrations/test_readme_extras.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 
