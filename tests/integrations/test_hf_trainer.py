@@ -25,17 +25,16 @@ from memfit.integrations.hf import prepare  # noqa: E402
 from memfit.integrations.hf_trainer import dict_loss, plan_for_trainer  # noqa: E402
 from memfit.measuring.tracker import MemoryWatch  # noqa: E402
 
-#: Both runs use torch's AdamW and clipping on the same batches from the same weights; the
-#: Trainer's loss is normalised by the token count over the accumulated micro-batches,
+#: Both runs use torch's AdamW and clipping on the same batches, weights and dropout masks;
+#: the Trainer's loss is normalised by the token count over the accumulated micro-batches,
 #: memfit's by micro-batch shares: equal in exact arithmetic, a few ulps apart in fp32.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-5)
 SEQ = 32
 
 
-def _gpt2(dropout: bool = True) -> torch.nn.Module:
+def _gpt2() -> torch.nn.Module:
     torch.manual_seed(0)
-    off = {} if dropout else {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, n_positions=64, vocab_size=256, **off)
+    config = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=2, n_positions=64, vocab_size=256)
     assert config.use_cache  # the default
     return transformers.GPT2LMHeadModel(config)
 
@@ -65,7 +64,7 @@ def test_prepare_plans_the_trainer_and_matches_the_own_loop(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, budget: str
 ) -> None:
     data = _dataset()
-    model = _gpt2(dropout=False)  # dropout off: the Trainer's data loader draws from the global RNG
+    model = _gpt2()  # the default config: dropout on, use_cache on
     with caplog.at_level(logging.INFO, logger="memfit.integrations.hf"):
         plan, args = plan_for_trainer(model, _args(tmp_path), data, budget=budget, precision="fp32")
     assert (plan.micro_batches > 1) is (budget == "40%")
@@ -81,12 +80,16 @@ def test_prepare_plans_the_trainer_and_matches_the_own_loop(
     hf_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(hf_losses) == 5 and all(torch.isfinite(torch.tensor(hf_losses)))
 
-    own = _gpt2(dropout=False)
+    own = _gpt2()
     own.config.use_cache = False
     opt_cls, opt_kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args, own)
     opt = opt_cls(own.parameters(), **opt_kwargs)
     own, opt = memfit.prepare(own, opt, plan)
     loss_fn = dict_loss(["input_ids", "labels"])
+    # NOTE: the same dropout masks: the Trainer seeds the global RNG with args.seed, and its
+    # DataLoader's iterator draws one base seed from it before the first batch.
+    torch.manual_seed(args.seed)
+    torch.empty((), dtype=torch.int64).random_()
     losses = []
     for step in range(5):
         rows = data[8 * step : 8 * step + 8]
