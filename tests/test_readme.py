@@ -20,8 +20,10 @@ def test_the_readme_has_the_examples_the_issue_asks_for() -> None:
 
 
 @pytest.mark.parametrize(
-    ("line", "code"), [(ln, code) for ln, mark, code in BLOCKS if not mark], ids=lambda v: f"line{v}" if isinstance(v, int) else ""
+    ("line", "code"), [pytest.param(ln, code, id=f"line{ln}") for ln, mark, code in BLOCKS if not mark]
 )
-def test_readme_block_runs_as_pasted(line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_readme_block_runs_as_pasted(
+    line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)  # blocks write plan.json, state.pt ...
     run_block(line, code)

@@ -10,13 +10,13 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from readme_blocks import python_blocks, run_block  # noqa: E402
+from readme_blocks import python_blocks, run_block
 
-EXTRAS = [(line, code) for line, mark, code in python_blocks() if mark == "extras"]
+EXTRAS = [pytest.param(line, code, id=f"line{line}") for line, mark, code in python_blocks() if mark == "extras"]
 _NEEDS = {"transformers": "transformers", "lightning": "lightning", "accelerate": "accelerate"}
 
 
-@pytest.mark.parametrize(("line", "code"), EXTRAS, ids=lambda v: f"line{v}" if isinstance(v, int) else "")
+@pytest.mark.parametrize(("line", "code"), EXTRAS)
 def test_readme_extras_block_runs_as_pasted(
     line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
