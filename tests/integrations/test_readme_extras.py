@@ -12,15 +12,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from readme_blocks import python_blocks, run_block
 
-EXTRAS = [pytest.param(line, code, id=f"line{line}") for line, mark, code in python_blocks() if mark == "extras"]
-_NEEDS = {"transformers": "transformers", "lightning": "lightning", "accelerate": "accelerate"}
+EXTRAS = [pytest.param(ln, code, id=f"line{ln}") for ln, mark, code in python_blocks() if mark == "extras"]
+_NEEDS = ("transformers", "lightning", "accelerate")
 
 
 @pytest.mark.parametrize(("line", "code"), EXTRAS)
 def test_readme_extras_block_runs_as_pasted(
     line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for package in _NEEDS.values():
+    for package in _NEEDS:
         if f"import {package}" in code or f"from {package}" in code:
             pytest.importorskip(package, reason=f"{package} is not installed")
     monkeypatch.chdir(tmp_path)
