@@ -216,6 +216,8 @@ def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_pat
     ]  # fmt: skip
     assert main(argv) == 0
     assert sorted(p.name for p in out.iterdir()) == [
+        "loss.png",
+        "memory.png",
         "metrics.jsonl",
         "report.md",
         "state.prev.pt",
