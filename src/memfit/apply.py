@@ -27,6 +27,7 @@ from torch import nn
 from memfit.checkpointing import set_block_modes, uncheckpoint
 from memfit.errors import ConfigError
 from memfit.records import Plan
+from memfit.segments import set_segments
 from memfit.vocab import PRECISIONS, normalize_modes
 
 __all__ = ["apply", "check_plan_fits"]
@@ -39,7 +40,8 @@ def check_plan_fits(model: nn.Module, plan: Plan) -> None:
         ConfigError: one sentence naming what does not fit and what to do.
     """
     modules = {n for n, _ in model.named_modules() if n}
-    missing = [n for n in plan.blocks if n not in modules]
+    named = list(plan.blocks) + [n for seg in plan.segments for n in seg if n not in plan.blocks]
+    missing = [n for n in named if n not in modules]
     if missing:
         hints = []
         for name in missing:
@@ -57,7 +59,7 @@ def check_plan_fits(model: nn.Module, plan: Plan) -> None:
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """Apply a plan's per-block checkpointing to ``model`` in place and return it.
+    """Apply a plan's per-block checkpointing and segments to ``model`` in place and return it.
 
     Precision and micro-batches are run by the training step (``memfit.Trainer`` takes them
     from the plan); checkpointing not named by the plan is removed.
@@ -74,5 +76,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     check_plan_fits(model, plan)
     uncheckpoint(model)
-    set_block_modes(model, normalize_modes(plan.blocks))
+    inside = {n for seg in plan.segments for n in seg}
+    set_block_modes(model, {n: m for n, m in normalize_modes(plan.blocks).items() if n not in inside})
+    set_segments(model, plan.segments)
     return model
