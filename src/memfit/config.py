@@ -125,8 +125,9 @@ class TrainConfig:
 class MemoryConfig:
     """Precision and checkpointing."""
 
-    precision: str = "fp32"
-    """``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``."""
+    precision: str = "auto"
+    """``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (fp32 and what the device runs natively;
+    the default of ``memfit.plan`` and ``memfit.Precision`` too)."""
     checkpointing: str = "none"
     """``"none"``, ``"full"``, ``"selective"``, ``"every:K"`` or ``"auto"`` (needs budget)."""
     budget: str = ""

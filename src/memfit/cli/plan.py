@@ -37,8 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision",
         nargs="+",
         choices=PRECISION_CHOICES,
-        help="precision(s) to choose from (default: memory.precision of the config; auto = fp32 and "
-        "what the device runs natively)",
+        help="precision(s) to choose from (default: memory.precision of the config, auto: fp32 and "
+        "what the device runs natively, as memfit.plan in Python)",
     )
     parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
     parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
@@ -46,13 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_table(result: Plan) -> str:
-    """One row per block: its checkpointing mode."""
+    """One row per block: its checkpointing mode (``segment k`` for a block in a segment)."""
+    segment_of = {name: k for k, seg in enumerate(result.segments, 1) for name in seg}
     counts: dict[str, int] = {}
-    for mode in result.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
-    rows = [[name, mode] for name, mode in result.blocks.items()]
-    summary = ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
-    return text_table(["block", "checkpointing"], rows) + f"\n({summary})"
+    rows = []
+    for name, mode in result.blocks.items():
+        shown = f"segment {segment_of[name]}" if name in segment_of else mode
+        if name not in segment_of:
+            counts[mode] = counts.get(mode, 0) + 1
+        rows.append([name, shown])
+    parts = [f"{n} {m}" for m, n in sorted(counts.items())]
+    parts += [
+        f"segment {k}: {len(seg)} blocks checkpointed as one" for k, seg in enumerate(result.segments, 1)
+    ]
+    return text_table(["block", "checkpointing"], rows) + f"\n({', '.join(parts)})"
 
 
 def _ratio(a: float, b: float) -> str:
@@ -97,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
         f"step time      predicted {_ratio(result.predicted_step_seconds, result.baseline_step_seconds)} "
         "of the baseline"
     )
+    print(f"planned in     {result.planning_seconds:.1f} s, measuring:")
+    for line in result.measured:
+        print(f"  - {line}")
     for note in result.notes:
         print(f"note: {note}")
     print(f"plan written to {args.out}")

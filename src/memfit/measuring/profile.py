@@ -44,7 +44,7 @@ from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_mod
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.flops import BlockFlops, block_flops
-from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step
+from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
 from memfit.measuring.preserve import preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
@@ -53,7 +53,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.segments import chain_probe
 from memfit.step import Batch, LossFn, batch_size, training_step
-from memfit.stepmodel import fill_times, forward_work, time_note
+from memfit.stepmodel import fill_times, forward_work, simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["Profiler", "create_optimizer_state", "profile", "profile_from_memory"]
@@ -131,6 +131,40 @@ class Profiler:
             f"FLOPs counted ({time.perf_counter() - started:.2f} s)"
         )
         return mem
+
+    def quick_peak(self) -> int | None:
+        """The no-checkpointing peak from a step that runs only the distinct blocks (an estimate).
+
+        Worth it where most blocks are identical (two thirds or more would pass through);
+        None otherwise, or when a block that ran is not residual after all. The estimate
+        lets a hopeless fraction budget be refused before a whole tracked step.
+        """
+        if not self.blocks:
+            return None
+        skipped = stand_ins(self.model, self.blocks, [True] * len(self.blocks))
+        if 3 * len(skipped) < 2 * len(self.blocks):
+            return None
+        create_optimizer_state(self.model, self.optimizer)
+        uncheckpoint(self.model)
+        active = [b for b in self.blocks if b not in skipped]
+        started = time.perf_counter()
+        with (
+            skipping(self.model, list(skipped)),
+            batch_errors(self.model, self.batch),
+            chain_probe(self.model, active) as probe,
+        ):
+            mem = phased_step(self.model, self.batch, self.loss_fn, self.optimizer, self.precision, active)
+        self.measured.append(
+            f"1 tracked step at {self.precision.mode} of {len(active)} of {len(self.blocks)} blocks, to "
+            f"estimate the peak ({time.perf_counter() - started:.2f} s)"
+        )
+        if not all(probe.keeps_shape):
+            return None
+        prof = profile_from_memory(
+            self.model, self.blocks, {"none": mem}, self.precision.mode, batch_size(self.batch), skipped
+        )
+        prof.grad_bytes = grad_bytes_of(self.model)
+        return simulate(prof, "none").peak_bytes
 
     def modes(self, modes: Sequence[str]) -> None:
         """One tracked step per mode, identical blocks run once (the others pass through)."""
