@@ -250,16 +250,16 @@ class PhaseTracker(MemTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         res = super().__torch_dispatch__(func, types, args, kwargs)
         if self.phase == "forward":
-            self.ops[owner] = self.ops.get(owner := self._owner_now(), 0) + 1
+            owner = self._owner_now()
+            self.ops[owner] = self.ops.get(owner, 0) + 1
         return res
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
         if self.phase != "forward":
             return
-        # NOTE: every storage the forward creates is owned by the block running then, or by
-        # the outside (before / after the last block); what is still alive when the forward
-        # ends is what each part keeps for backward.
+        # NOTE: every storage the forward creates is owned by the block running then, or by the
+        # outside (before / after the blocks); what is alive when the forward ends is kept.
         owner = self._owner_now()
         for st in get_untyped_storages(t):
             winfo = self._WINFO.get(st, (None, None))[0]

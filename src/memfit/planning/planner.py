@@ -51,6 +51,7 @@ from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, training_step
 from memfit.stepmodel import simulate, time_note
+from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
@@ -141,7 +142,7 @@ class _Planner:
             if best is not None and best <= done[p].step_seconds * (1 - TIE):
                 continue
             if simulate(done[p], "none").peak_bytes > self.budget_bytes and profilers[p].blocks:
-                profilers[p].modes(["selective", "full"])
+                profilers[p].modes([m for m in CHECKPOINT_MODES if m != "none"])
                 done[p] = profilers[p].result()
             try:
                 found = plan_from_profiles({p: done[p]}, self.budget_bytes)

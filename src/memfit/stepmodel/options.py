@@ -158,7 +158,7 @@ def segment_ranges(profile: Profile, segments: Segments) -> list[tuple[int, int]
         if isinstance(seg, tuple) and len(seg) == 2 and all(isinstance(v, int) for v in seg):
             first, last = int(seg[0]), int(seg[1])
         else:
-            names = list(seg)
+            names = [str(n) for n in seg]
             unknown = [n for n in names if n not in index]
             if unknown:
                 raise ConfigError(f"segment {names} names block(s) {unknown} that the profile does not have.")
