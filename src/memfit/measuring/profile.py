@@ -53,7 +53,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.segments import chain_probe
 from memfit.step import Batch, LossFn, batch_size, training_step
-from memfit.stepmodel import fill_times, forward_work, simulate, time_note
+from memfit.stepmodel import fill_times, forward_work, selective_work, simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["Profiler", "create_optimizer_state", "profile", "profile_from_memory"]
@@ -101,6 +101,7 @@ class Profiler:
         self.links: list[bool] = []
         self.flops: dict[str, BlockFlops] = {}
         self.times: list[tuple[float, float, float]] = []
+        self.selective_extra: list[float] = []
         self.speed: Speed | None = None
         self.measured: list[str] = []
         """What was run, one line each (for the plan's report)."""
@@ -189,8 +190,8 @@ class Profiler:
                 f"{len(active)} of {len(self.blocks)} blocks run ({time.perf_counter() - started:.2f} s)"
             )
 
-    def time(self, repeats: int) -> None:
-        """Time ``repeats`` whole steps without checkpointing, and micro-benchmark the device."""
+    def _timed(self, mode: str) -> tuple[float, float, float]:
+        """(forward, backward, whole) seconds of one step with every block in ``mode``."""
         device = device_of(self.model)
         marks: dict[str, float] = {}
 
@@ -199,30 +200,55 @@ class Profiler:
                 torch.cuda.synchronize(device)
             marks[name] = time.perf_counter()
 
-        started = time.perf_counter()
         uncheckpoint(self.model)
-        for _ in range(repeats):
-            mark("start")
-            training_step(
-                self.model,
-                self.batch,
-                self.loss_fn,
-                self.optimizer,
-                self.precision,
-                after_forward=lambda: mark("forward"),
-                after_backward=lambda: mark("backward"),
-            )
-            mark("end")
-            self.times.append(
-                (
-                    marks["forward"] - marks["start"],
-                    marks["backward"] - marks["forward"],
-                    marks["end"] - marks["start"],
-                )
-            )
-        self.speed = measure_speed(device, self.precision)
+        if mode != "none":
+            set_block_modes(self.model, dict.fromkeys(self.blocks, mode))
+        mark("start")
+        training_step(
+            self.model,
+            self.batch,
+            self.loss_fn,
+            self.optimizer,
+            self.precision,
+            after_forward=lambda: mark("forward"),
+            after_backward=lambda: mark("backward"),
+        )
+        mark("end")
+        uncheckpoint(self.model)
+        return (
+            marks["forward"] - marks["start"],
+            marks["backward"] - marks["forward"],
+            marks["end"] - marks["start"],
+        )
+
+    def time(self, repeats: int) -> None:
+        """Time ``repeats`` whole steps without checkpointing, and micro-benchmark the device."""
+        started = time.perf_counter()
+        self.times += [self._timed("none") for _ in range(repeats)]
+        self.speed = measure_speed(device_of(self.model), self.precision)
         self.measured.append(
             f"{repeats} timed step(s) at {self.precision.mode} and micro-benchmarks "
+            f"({time.perf_counter() - started:.2f} s)"
+        )
+
+    def time_selective(self, rounds: int) -> None:
+        """Time ``rounds`` pairs of whole steps, every block selectively checkpointed then none:
+        selective checkpointing's cost on this model (the pairs' median difference).
+
+        # NOTE: the step model prices a selective recompute by the bytes its ops write, and a
+        # micro-benchmark of tiny ops prices the dispatch; on a CPU a real block pays several
+        # times that (GELU's arithmetic, the cached outputs handed back). Adjacent steps share
+        # a busy machine's load, so their difference is steadier than either time.
+        """
+        if not self.blocks:
+            return
+        started = time.perf_counter()
+        for _ in range(rounds):
+            sel, plain = self._timed("selective"), self._timed("none")
+            self.selective_extra.append((sel[0] + sel[1]) - (plain[0] + plain[1]))
+            self.times.append(plain)
+        self.measured.append(
+            f"{rounds} pair(s) of timed steps at {self.precision.mode}, selective and without checkpointing "
             f"({time.perf_counter() - started:.2f} s)"
         )
 
@@ -251,9 +277,22 @@ class Profiler:
             prof.speed = sp
             work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
             sp.forward_scale, sp.backward_scale = fwd / work, bwd / work
+            if self.selective_extra:
+                self._fit_selective(prof, sp)
             fill_times(prof)
         prof.notes = ([time_note(prof)] if prof.speed is not None else []) + list(self.notes())
         return prof
+
+    def _fit_selective(self, prof: Profile, sp: Speed) -> None:
+        """Selective's cost per op beyond what the model counts, from the timed pairs."""
+        extra = statistics.median(self.selective_extra)
+        modelled = sum(
+            sp.forward_scale * selective_work(prof, b) + sp.checkpoint_seconds for b in prof.blocks
+        )
+        ops = 2 * sum(b.forward_ops for b in prof.blocks)
+        if ops:
+            sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - modelled) / ops)
+            sp.selective_steps = len(self.selective_extra)
 
     def notes(self) -> list[str]:
         if self.blocks:
@@ -307,6 +346,7 @@ def profile(
             if prof.blocks:
                 prof.modes([m for m in CHECKPOINT_MODES if m != "none"])
             prof.time(repeats)
+            prof.time_selective(repeats)
             result = prof.result()
     finally:
         uncheckpoint(model)

@@ -35,7 +35,7 @@ from memfit.vocab import PRECISIONS
 __all__ = ["TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_profiles"]
 
 #: Plans whose predicted step time is within this fraction of the fastest count as ties.
-TIE = 0.01
+TIE = 0.02
 
 
 def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[str]:

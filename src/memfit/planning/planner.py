@@ -57,8 +57,10 @@ __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
-#: Whole steps timed per precision for the time model.
-_TIMED_STEPS = 3
+#: Whole steps timed per precision for the time model (more come with the selective pairs).
+_TIMED_STEPS = 1
+#: Pairs of timed steps, selective then none, where checkpointing is needed.
+_SELECTIVE_STEPS = 3
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -143,6 +145,7 @@ class _Planner:
                 continue
             if simulate(done[p], "none").peak_bytes > self.budget_bytes and profilers[p].blocks:
                 profilers[p].modes([m for m in CHECKPOINT_MODES if m != "none"])
+                profilers[p].time_selective(_SELECTIVE_STEPS)
                 done[p] = profilers[p].result()
             try:
                 found = plan_from_profiles({p: done[p]}, self.budget_bytes)

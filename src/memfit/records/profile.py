@@ -113,6 +113,9 @@ class Speed(Record):
     """Measured backward seconds over the modelled forward's."""
     timed_steps: int = 0
     """Whole steps timed to fit the two scales."""
+    selective_steps: int = 0
+    """Whole steps timed with every block selectively checkpointed, to fit
+    ``selective_op_seconds`` (0: the micro-benchmark's)."""
 
 
 @dataclass

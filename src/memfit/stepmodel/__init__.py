@@ -42,6 +42,7 @@ from memfit.stepmodel.time import (
     option_seconds,
     predict_options_seconds,
     predict_step_seconds,
+    selective_work,
     time_note,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "predict_options_seconds",
     "predict_step_seconds",
     "segment_ranges",
+    "selective_work",
     "simulate",
     "simulate_options",
     "tiling",

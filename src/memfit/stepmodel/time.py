@@ -39,6 +39,7 @@ __all__ = [
     "option_seconds",
     "predict_options_seconds",
     "predict_step_seconds",
+    "selective_work",
     "time_note",
 ]
 
@@ -51,6 +52,20 @@ def forward_work(profile: Profile, block: BlockStats) -> float:
     return (
         block.forward_flops * sp.flop_seconds
         + block.forward_bytes * sp.byte_seconds
+        + block.forward_ops * sp.op_seconds
+    )
+
+
+def selective_work(profile: Profile, block: BlockStats) -> float:
+    """Modelled seconds (before scaling) of what selective checkpointing recomputes in ``block``:
+    the FLOPs of the ops it does not keep, the bytes they write, and every op's dispatch."""
+    sp = profile.speed
+    if sp is None:
+        return 0.0
+    sel_bytes = max(0, block.forward_bytes - block.saved_bytes.get("selective", block.forward_bytes))
+    return (
+        block.selective_flops * sp.flop_seconds
+        + sel_bytes * sp.byte_seconds
         + block.forward_ops * sp.op_seconds
     )
 
@@ -70,12 +85,7 @@ def fill_times(profile: Profile) -> None:
         work = forward_work(profile, block)
         block.forward_seconds = sp.forward_scale * work
         plain = sp.backward_scale * work
-        sel_bytes = max(0, block.forward_bytes - block.saved_bytes.get("selective", block.forward_bytes))
-        sel_work = (
-            block.selective_flops * sp.flop_seconds
-            + sel_bytes * sp.byte_seconds
-            + block.forward_ops * sp.op_seconds
-        )
+        sel_work = selective_work(profile, block)
         extra = {
             "none": 0.0,
             "full": sp.forward_scale * work + sp.checkpoint_seconds,
@@ -156,5 +166,6 @@ def time_note(profile: Profile) -> str:
         f"(micro-benchmarks on {profile.device}), scaled x{sp.forward_scale:.3g} (forward) and "
         f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps; a checkpoint call "
         f"{sp.checkpoint_seconds * 1e6:.3g} us, selective checkpointing "
-        f"{sp.selective_op_seconds * 1e6:.3g} us per op."
+        f"{sp.selective_op_seconds * 1e6:.3g} us per op"
+        + (f" (fitted to {sp.selective_steps} timed selective steps)." if sp.selective_steps else ".")
     )
