@@ -250,7 +250,8 @@ def _baseline_step(
     return statistics.median(times[1:])
 
 
-def planning_time(name: str, runs: int) -> None:
+def planning_time(name: str, runs: int) -> list[str]:
+    """Print one table row; return lines about refused budgets (printed after the table)."""
     if name == "gpt12":
         model: nn.Module = GPT(GPTConfig(n_layer=12, n_embd=256, block_size=256))
         tokens = torch.randint(0, 256, (8, 257), generator=torch.Generator().manual_seed(1))
@@ -273,15 +274,16 @@ def planning_time(name: str, runs: int) -> None:
         f"| {title} | {step * 1e3:.0f} ms | {', '.join(f'{s:.1f}' for s in secs)} s | "
         f"{', '.join(f'{s / step:.1f}' for s in secs)} | {_letters(plans[0])} | {'yes' if same else 'NO'} |"
     )
+    lines = []
     if name == "gpt12":
         for budget in ("5%", "100KB"):
             start = time.perf_counter()
             try:
                 memfit.plan(model, batch, loss_fn, budget, opt)
-                print(f"\n- {budget}: not refused")
+                lines.append(f"- {title}, {budget}: not refused")
             except memfit.InfeasibleBudget as exc:
-                print(f"\n- {budget} refused in {time.perf_counter() - start:.2f} s: {exc}")
-    return None
+                lines.append(f"- {title}, {budget} refused in {time.perf_counter() - start:.2f} s: {exc}")
+    return lines
 
 
 def main() -> None:
@@ -310,9 +312,12 @@ def main() -> None:
             "| model | baseline step | planning wall time | in baseline steps | plan | same plan each run |"
         )
         print("|---|---|---|---|---|---|")
+        after: list[str] = []
         for name, runs in (("gpt", 5), ("gpt12", 1), ("gpt2", 1)):
             if not args.only or name in args.only:
-                planning_time(name, runs)
+                after += planning_time(name, runs)
+        print()
+        print("\n".join(after))
 
 
 if __name__ == "__main__":
