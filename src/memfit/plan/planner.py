@@ -25,7 +25,6 @@ Example:
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -36,15 +35,15 @@ from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpo
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.measure.memory import measure
+from memfit.plan.apply_plan import apply, validate_plan
 from memfit.plan.simulator import predict_step_seconds, simulate
 from memfit.plan.solver import Solution, minimum_peak, solve
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
 
-__all__ = ["apply", "plan", "plan_from_profiles"]
+__all__ = ["apply", "plan", "plan_from_profiles", "validate_plan"]
 
 _PRECISIONS = ("fp32", "bf16", "fp16")
-_PLAN_MODES = {"keep": "none", "none": "none", "selective": "selective", "full": "full"}
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
 
@@ -180,7 +179,9 @@ def plan(
         optimizer: the optimizer training will use (its state and step count).
         precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.
-        profiles: already-measured profiles per precision (skips profiling).
+        profiles: already-measured profiles per precision (skips profiling); a ``dict``
+            passed here also receives the profiles this call measures, so that a later
+            re-plan (after a step runs out of memory) need not profile again.
 
     Returns:
         A :class:`Plan`; ``memfit.apply(model, plan)`` applies its checkpointing.
@@ -200,6 +201,8 @@ def plan(
             if p not in profs:
                 profs[p] = _profile(model, batch, loss_fn, optimizer, p)
         profs = {p: profs[p] for p in wanted}
+        if isinstance(profiles, dict):
+            profiles.update(profs)  # NOTE: the caller's cache, e.g. for a re-plan after running out
         base = profs.get("fp32")
         if base is not None and base.measured_peak_bytes > 0:
             baseline_peak, baseline_seconds = base.measured_peak_bytes, base.step_seconds
@@ -275,50 +278,3 @@ def _checked(
         minimum_bytes=result.measured_peak_bytes,
         budget_bytes=budget,
     )
-
-
-def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """Apply a plan's per-block checkpointing to ``model`` in place and return it.
-
-    Precision and micro-batches are run by the training step (``memfit.Trainer`` takes them
-    from the plan); checkpointing not named by the plan is removed.
-
-    Args:
-        model: the model the plan was made for.
-        plan: a :class:`Plan` (e.g. from :func:`plan` or ``Plan.from_json``).
-
-    Returns:
-        The same model object.
-
-    Raises:
-        ConfigError: the plan names blocks the model does not have, or an unknown mode.
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> _ = apply(model, Plan(blocks={"0": "full", "1": "keep"}))
-        >>> from memfit.checkpointing import checkpointed_blocks
-        >>> checkpointed_blocks(model)
-        {'0': 'full'}
-    """
-    modules = {n for n, _ in model.named_modules() if n}
-    missing = [n for n in plan.blocks if n not in modules]
-    if missing:
-        hints = []
-        for name in missing:
-            close = difflib.get_close_matches(name, sorted(modules), n=1)
-            hints.append(repr(name) + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(
-            f"the plan names block(s) {', '.join(hints)} that {type(model).__name__} does not have; "
-            "it was made for a different model: run memfit plan again for this one."
-        )
-    bad = {n: m for n, m in plan.blocks.items() if m not in _PLAN_MODES}
-    if bad:
-        raise ConfigError(f"unknown block mode(s) {bad} in the plan; use keep, selective or full.")
-    if plan.precision not in _PRECISIONS:
-        raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(_PRECISIONS)}.")
-    if plan.micro_batches < 1:
-        raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
-    uncheckpoint(model)
-    set_block_modes(model, {n: _PLAN_MODES[m] for n, m in plan.blocks.items()})
-    return model
