@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 
 from memfit.errors import ConfigError
@@ -36,6 +37,9 @@ _UNITS: dict[str, int] = {
     "g": 2**30,
     "t": 2**40,
 }
+#: The largest budget memfit takes (8 EiB): larger numbers are typing mistakes, and the
+#: solver works in 64-bit integers.
+_MAX_BYTES = 2**63 - 1
 _PATTERN = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*|%)\s*$")
 
 
@@ -57,38 +61,55 @@ def parse_bytes(value: int | float | str, reference: int | None = None, what: st
             outside (0, 100] or without a reference.
     """
     if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
+        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {_shown(value)}.")
     if isinstance(value, int | float):
-        if value != value or value <= 0 or value == float("inf"):
-            raise ConfigError(f"{what} must be a positive number of bytes, got {value!r}.")
-        return int(value)
+        if (isinstance(value, float) and not math.isfinite(value)) or value <= 0:
+            raise ConfigError(f"{what} must be a positive number of bytes, got {_shown(value)}.")
+        return _checked(int(value), value, what)
     if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
+        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {_shown(value)}.")
     match = _PATTERN.match(value)
     if match is None or match.group(2).lower() not in (*_UNITS, "%"):
         raise ConfigError(
-            f"cannot read {what} {value!r}: write bytes as an integer, or a number with a unit "
+            f"cannot read {what} {_shown(value)}: write bytes as an integer, or a number with a unit "
             "(B, KB, MB, GB, KiB, MiB, GiB), or a percentage such as '60%'."
         )
     number = float(match.group(1))
     unit = match.group(2).lower()
+    if not math.isfinite(number):
+        raise ConfigError(f"{what} {_shown(value)} is too large; give at most 8 EiB.")
     if number <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}.")
+        raise ConfigError(f"{what} must be positive, got {_shown(value)}.")
     if unit == "%":
         if number > 100:
             raise ConfigError(
-                f"{what} {value!r} is over 100% of the baseline peak; give a percentage in (0, 100]."
+                f"{what} {_shown(value)} is over 100% of the baseline peak; give a percentage in (0, 100]."
             )
         if reference is None:
             raise ConfigError(
-                f"{what} {value!r} is a percentage, but nothing to take it of is known here; "
+                f"{what} {_shown(value)} is a percentage, but nothing to take it of is known here; "
                 "give bytes such as '6GiB' instead."
             )
         result = int(reference * number / 100)
     else:
-        result = int(number * _UNITS[unit])
+        scaled = number * _UNITS[unit]
+        if not math.isfinite(scaled):
+            raise ConfigError(f"{what} {_shown(value)} is too large; give at most 8 EiB.")
+        result = int(scaled)
+    return _checked(result, value, what)
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened to about 40 characters for messages."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]} ({len(text)} characters)"
+
+
+def _checked(result: int, value: object, what: str) -> int:
     if result <= 0:
-        raise ConfigError(f"{what} {value!r} is less than one byte; give a positive amount.")
+        raise ConfigError(f"{what} {_shown(value)} is less than one byte; give a positive amount.")
+    if result > _MAX_BYTES:
+        raise ConfigError(f"{what} {_shown(value)} is too large; give at most 8 EiB.")
     return result
 
 

@@ -36,6 +36,7 @@ from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.plan.apply_plan import validate_plan
 from memfit.precision import Precision
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
@@ -145,7 +146,10 @@ def check_stability(
     micro = plan.micro_batches if plan else 1
     with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
-        start = flat_params(checker.build())
+        first = checker.build()
+        if plan is not None:
+            validate_plan(first, plan)
+        start = flat_params(first)
         ref = checker.run("fp32", "fp32", order, seed, eval_batches)
         if None in ref.curve.losses or ref.curve.eval_loss is None:
             raise ConfigError(
