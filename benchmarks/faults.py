@@ -131,10 +131,10 @@ for command in (
         return _said(*memfit(f"{command} {TINY}", d)[::2]), "none"
 
 
-@case("2. `memfit.parse_bytes(5.96e-08)`")
+@case("2. `memfit.budget.parse_bytes(5.96e-08)`")
 def _(d: Path) -> tuple[str, str]:
     code = (
-        "import memfit\ntry:\n print(memfit.parse_bytes(5.96e-08))\n"
+        "import memfit\nfrom memfit.budget import parse_bytes\ntry:\n print(parse_bytes(5.96e-08))\n"
         "except memfit.MemfitError as e:\n print(e)"
     )
     return f"ConfigError: `{python(code, d)[1].strip()}`", "none"

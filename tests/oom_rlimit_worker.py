@@ -17,8 +17,9 @@ import resource
 
 import torch
 
-from memfit.measure.profile import profile
-from memfit.plan.planner import apply, plan_from_profiles
+from memfit.apply import apply
+from memfit.measuring.profile import profile
+from memfit.planning.planner import plan_from_profiles
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 from memfit.train.oom import OomConfig
 from memfit.train.trainer import Trainer

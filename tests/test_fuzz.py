@@ -1,7 +1,7 @@
 """Property-based tests: every input to the user-facing parsers gives a valid result or a
 :class:`memfit.MemfitError`, never another exception (issue 15).
 
-Four parsers are fuzzed: ``memfit.parse_bytes``, the config loader with random ``--set``
+Four parsers are fuzzed: ``memfit.budget.parse_bytes``, the config loader with random ``--set``
 keys and values, ``Plan.from_json`` with random JSON, and the command line (parsing plus
 each command's ``check``, which validates every input before any work). The runs are
 derandomized, so ``make test`` sees the same inputs every time; set ``MEMFIT_FUZZ_SCALE``

@@ -19,11 +19,12 @@ import torch
 from conftest import tiny_gpt
 from oom_faults import KeptBytesLimit
 
+from memfit.apply import apply
 from memfit.checkpointing import checkpointed_blocks
 from memfit.cli.main import main
 from memfit.errors import OutOfMemory
-from memfit.measure.profile import profile
-from memfit.plan.planner import apply, plan_from_profiles
+from memfit.measuring.profile import profile
+from memfit.planning.planner import plan_from_profiles
 from memfit.records import Plan, Profile, StepMetrics
 from memfit.train.callbacks import Callback, read_metrics
 from memfit.train.data import BatchSampler, ByteCorpus
@@ -59,7 +60,7 @@ def planned() -> tuple[Plan, dict[str, Profile], float]:
     batch = _sampler().batch_at(0)
     profiles = {"fp32": profile(model, batch, gpt_loss, opt, "fp32")}
     first = plan_from_profiles(profiles, 2**40)  # everything fits: the fastest plan keeps all
-    assert set(first.blocks.values()) == {"keep"} and first.micro_batches == 1
+    assert set(first.blocks.values()) == {"none"} and first.micro_batches == 1
     kept = KeptBytesLimit(gpt_loss).kept_bytes(model, batch)
     return first, profiles, kept - 1
 
@@ -84,9 +85,9 @@ def test_out_of_memory_step_is_replanned_and_equals_the_new_plan_from_that_step(
     second = event.plan
     assert event.step == FAIL_AT and event.budget_bytes < event.failed_peak_bytes
     assert event.failed_peak_bytes == history[FAIL_AT - 2].peak_bytes  # the tracked peak of plan 1
-    assert any(m != "keep" for m in second.blocks.values()) or second.micro_batches > 1
+    assert any(m != "none" for m in second.blocks.values()) or second.micro_batches > 1
     assert a.plan is second and a.micro_batches == second.micro_batches
-    assert checkpointed_blocks(a.model) == {n: m for n, m in second.blocks.items() if m != "keep"}
+    assert checkpointed_blocks(a.model) == {n: m for n, m in second.blocks.items() if m != "none"}
 
     # the uninterrupted run: plan 1 for the steps before, plan 2 from the failed step on
     b = _trainer(first, gpt_loss)

@@ -6,7 +6,7 @@ in backward, so it saves memory at the cost of (about) one more forward of that 
 recomputes only cheap ones (norms, activations, elementwise), so it saves less and costs
 less.
 
-Blocks are wrapped by an instance-level ``forward`` override (see ``memfit._forward``), so
+Blocks are wrapped by an instance-level ``forward`` override (see ``memfit.forward_layers``), so
 the module tree and the state_dict keys do not change: weights saved from a checkpointed
 model load into a plain one and back.
 
@@ -40,11 +40,11 @@ from torch.utils.checkpoint import (
 )
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
-from memfit._forward import forward_layers, set_forward_layer
 from memfit.errors import ConfigError
+from memfit.forward_layers import forward_layers, set_forward_layer
+from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
-    "CHECKPOINT_MODES",
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",
@@ -53,7 +53,6 @@ __all__ = [
     "uncheckpoint",
 ]
 
-CHECKPOINT_MODES = ("none", "selective", "full")
 _TAG = "checkpoint"
 
 _aten = torch.ops.aten

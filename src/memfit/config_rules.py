@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING
+from typing import Any
 
-from memfit.budget import parse_bytes
+from memfit.budget import Budget
 from memfit.errors import ConfigError
-
-if TYPE_CHECKING:
-    from memfit.config import Config
+from memfit.vocab import CHECKPOINT_MODES, PRECISION_CHOICES
 
 __all__ = ["MAX_SEED", "is_every", "validate_config"]
 
@@ -40,8 +38,10 @@ def _finite(key: str, value: float, low: float, strict: bool = False, high: floa
         raise ConfigError(f"{key} must be a finite number {bound}, got {value!r}.")
 
 
-def validate_config(cfg: Config) -> None:
+def validate_config(cfg: Any) -> None:
     """Refuse values and combinations that cannot run, with one sentence naming the fix.
+
+    ``cfg`` is a :class:`memfit.config.Config` (not imported here: config imports this module).
 
     Raises:
         ConfigError: the first problem found.
@@ -87,18 +87,20 @@ def validate_config(cfg: Config) -> None:
     if cfg.optimizer.schedule not in ("constant", "cosine"):
         raise ConfigError(f"optimizer.schedule {cfg.optimizer.schedule!r} is not one of constant, cosine.")
     ckpt = cfg.memory.checkpointing
-    if ckpt not in ("none", "full", "selective", "auto") and not is_every(ckpt):
+    if ckpt not in (*CHECKPOINT_MODES, "auto") and not is_every(ckpt):
         raise ConfigError(
-            f"memory.checkpointing {ckpt!r} is not one of none, full, selective, every:K, auto."
+            f"memory.checkpointing {ckpt!r} is not one of {', '.join(CHECKPOINT_MODES)}, every:K, auto."
         )
     if ckpt == "auto" and not cfg.memory.budget:
         raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
     if cfg.memory.budget:
         # NOTE: only the syntax is checked here; a percentage is resolved against the
         # baseline peak once that is measured.
-        parse_bytes(cfg.memory.budget, reference=1 << 40, what="memory.budget")
-    if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
-        raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
+        Budget.parse(cfg.memory.budget, what="memory.budget")
+    if cfg.memory.precision not in PRECISION_CHOICES:
+        raise ConfigError(
+            f"memory.precision {cfg.memory.precision!r} is not one of {', '.join(PRECISION_CHOICES)}."
+        )
     if cfg.memory.on_overflow not in ("stop", "fallback"):
         raise ConfigError(f"memory.on_overflow {cfg.memory.on_overflow!r} is not one of stop, fallback.")
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):

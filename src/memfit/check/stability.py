@@ -32,14 +32,15 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from memfit.apply import check_plan_fits
 from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.plan.apply_plan import validate_plan
 from memfit.precision import Precision
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
+from memfit.vocab import MIXED_PRECISIONS, PRECISIONS
 
 __all__ = ["check_stability", "hardware_facts"]
 
@@ -65,7 +66,7 @@ def _validate(precisions: Sequence[str], steps: int, batches: Sequence[Batch]) -
     if not precisions:
         raise ConfigError("precisions is empty; give at least one of 'bf16' or 'fp16'.")
     for p in precisions:
-        if p not in ("fp32", "bf16", "fp16"):
+        if p not in PRECISIONS:
             raise UnsupportedPrecision(f"unknown precision {p!r} to check; use 'bf16' and/or 'fp16'.")
     if len(set(precisions)) != len(precisions):
         raise ConfigError(f"precisions {list(precisions)} name a mode twice; name each once.")
@@ -91,7 +92,7 @@ def check_stability(
     batches: Sequence[Batch],
     loss_fn: LossFn,
     optimizer_fn: OptimizerFn,
-    precisions: Sequence[str] = ("bf16", "fp16"),
+    precisions: Sequence[str] = MIXED_PRECISIONS,
     steps: int = 50,
     *,
     plan: Plan | None = None,
@@ -142,13 +143,13 @@ def check_stability(
         eval_batches = [batches[i] for i in sorted({round(k * (n - 1) / 3) for k in range(4)})]
     if len(eval_batches) == 0:
         raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
-    blocks = {k: ("none" if v == "keep" else v) for k, v in plan.blocks.items()} if plan else None
+    blocks = dict(plan.blocks) if plan else None
     micro = plan.micro_batches if plan else 1
     with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
         first = checker.build()
         if plan is not None:
-            validate_plan(first, plan)
+            check_plan_fits(first, plan)
         start = flat_params(first)
         ref = checker.run("fp32", "fp32", order, seed, eval_batches)
         if None in ref.curve.losses or ref.curve.eval_loss is None:

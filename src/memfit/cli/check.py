@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.apply import check_plan_fits
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
 from memfit.cli.common import add_config_arguments, config_from_args
@@ -15,12 +16,12 @@ from memfit.config import Config
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError, UnsupportedPrecision
 from memfit.outputs import check_output_dir
-from memfit.plan.apply_plan import validate_plan
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
 from memfit.train.build import build_model
 from memfit.train.data import BatchSampler, ByteCorpus
+from memfit.vocab import PRECISIONS
 
 HELP = "compare bf16/fp16 training against fp32 (noise band, overflow attribution): PASS, WARN or FAIL"
 
@@ -69,7 +70,7 @@ def _read_plan(path: str) -> Plan:
 def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
     if path is not None:
         plan = _read_plan(path)
-        validate_plan(model, plan)  # NOTE: a plan for another model is refused before any training
+        check_plan_fits(model, plan)  # NOTE: a plan for another model is refused before any training
         return plan
     mode = cfg.memory.checkpointing
     if mode == "none":
@@ -81,7 +82,7 @@ def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
     names = find_blocks(model)
     if mode.startswith("every:"):
         k = int(mode.split(":", 1)[1])
-        blocks = {n: ("full" if i % k == 0 else "keep") for i, n in enumerate(names)}
+        blocks = {n: ("full" if i % k == 0 else "none") for i, n in enumerate(names)}
     else:
         blocks = dict.fromkeys(names, mode)
     return Plan(blocks=blocks, micro_batches=cfg.train.grad_accum)
@@ -115,7 +116,7 @@ def _precisions(text: str) -> list[str]:
     precisions = [p.strip() for p in text.split(",") if p.strip()]
     if not precisions:
         raise ConfigError("--precisions is empty; give bf16, fp16 or both, e.g. --precisions bf16,fp16.")
-    bad = [p for p in precisions if p not in ("fp32", "bf16", "fp16")]
+    bad = [p for p in precisions if p not in PRECISIONS]
     if bad:
         raise UnsupportedPrecision(f"unknown precision {bad[0]!r} to check; use 'bf16' and/or 'fp16'.")
     return precisions

@@ -24,13 +24,14 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
-from memfit.budget import format_bytes, parse_bytes
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir, write_text
-from memfit.plan.planner import apply, plan
+from memfit.planning.planner import plan
 from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
-from memfit.report.table import markdown_table, text_table
+from memfit.report.table import markdown_table, mode_counts, text_table
 from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.train.callbacks import MetricsLog
 from memfit.train.data import BatchSampler, ByteCorpus
@@ -86,9 +87,7 @@ def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimize
 
 def _describe(plan: Plan) -> str:
     """E.g. ``"fp32, planned under 13.3 MiB: full 3, keep 1 of 4 blocks"``."""
-    counts: dict[str, int] = {}
-    for mode in plan.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
+    counts = mode_counts(plan.blocks.values())
     parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
     micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
@@ -107,7 +106,7 @@ def check(args: argparse.Namespace) -> None:
     """Refuse bad step counts, a bad ``--budget`` or an unwritable ``--out`` before training."""
     if args.steps < 3 or not 3 <= args.baseline_steps <= args.steps:
         raise ConfigError("--steps must be at least 3 and --baseline-steps between 3 and --steps.")
-    parse_bytes(args.budget, reference=2**50, what="--budget")
+    Budget.parse(args.budget, what="--budget")
     check_output_dir(args.out, "--out")
 
 

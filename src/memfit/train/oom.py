@@ -37,6 +37,7 @@ from torch import nn
 from memfit.budget import format_bytes
 from memfit.errors import ConfigError
 from memfit.records import Plan, Profile
+from memfit.report.table import mode_counts
 from memfit.train.state import capture_rng, restore_rng
 
 __all__ = [
@@ -99,9 +100,7 @@ def describe_plan(plan: Plan | None, micro_batches: int = 1) -> str:
     """``"2 full, 1 keep; 1 micro-batch(es)"``: block modes counted, and micro-batches."""
     if plan is None:
         return f"no plan; {micro_batches} micro-batch(es)"
-    counts: dict[str, int] = {}
-    for mode in plan.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
+    counts = mode_counts(plan.blocks.values())
     modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
     return f"{modes}; {plan.micro_batches} micro-batch(es)"
 
@@ -196,7 +195,7 @@ def failed_peak(
         return int(last_tracked)
     if plan is not None and (plan.measured_peak_bytes or plan.predicted_peak_bytes):
         return int(plan.measured_peak_bytes or plan.predicted_peak_bytes)
-    from memfit.plan.simulator import simulate
+    from memfit.stepmodel import simulate
 
     profile = profiles[precision]
     named = {b.name: modes.get(b.name, "none") for b in profile.blocks}
@@ -237,10 +236,10 @@ def replan(
     # again under its own peak.
     """
     from memfit.checkpointing import checkpointed_blocks
-    from memfit.plan.planner import plan_from_profiles
+    from memfit.planning.planner import plan_from_profiles
 
     if precision not in config.profiles:
-        from memfit.measure.profile import profile
+        from memfit.measuring.profile import profile
 
         config.profiles[precision] = profile(model, batch, loss_fn, optimizer, precision)
     device = next((p.device for p in model.parameters()), torch.device("cpu"))

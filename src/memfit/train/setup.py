@@ -27,16 +27,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.budget import format_bytes, parse_bytes
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
 from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.config import Config
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
-from memfit.plan.planner import apply, plan
+from memfit.planning.planner import plan
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
+from memfit.report.table import mode_counts
 from memfit.train.build import ModelSpec, build_model
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.train.distributed import DistContext, wrap_model
@@ -119,9 +121,7 @@ def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 def _describe_plan(chosen: Plan) -> str:
-    counts: dict[str, int] = {}
-    for mode in chosen.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
+    counts = mode_counts(chosen.blocks.values())
     modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
     return (
         f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
@@ -147,10 +147,8 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
         MemfitError: a bad data path, model factory, or a budget nothing fits (one sentence).
     """
     budget_text = cfg.memory.budget
-    budget = None
-    if budget_text and not budget_text.strip().endswith("%"):
-        # NOTE: a percentage is of the fp32 no-checkpointing peak: the planner measures it.
-        budget = parse_bytes(budget_text, what="memory.budget")
+    # NOTE: a percentage is of the fp32 no-checkpointing peak: the planner measures it.
+    budget = Budget.parse(budget_text, what="memory.budget").bytes if budget_text else None
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)

@@ -33,7 +33,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
-from memfit.measure.memory import MemoryWatch
+from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan
 from memfit.step import Batch, LossFn, StepResult
@@ -234,7 +234,7 @@ class Stepper:
         Raises:
             ConfigError: the plan's precision is not the Trainer's.
         """
-        from memfit.plan.planner import apply
+        from memfit.apply import apply
 
         if plan.precision != self.precision.mode:
             raise ConfigError(

@@ -40,13 +40,12 @@ from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
 from memfit.step import Batch, LossFn
-from memfit.train.callbacks import Callback
 from memfit.train.distributed import DistContext, unwrap
 from memfit.train.oom import OomConfig
 from memfit.train.sharded_state import load_sharded, save_sharded, sharded
 from memfit.train.state import capture_rng, load_state, restore_rng, save_state
 from memfit.train.stepper import Stepper
-from memfit.train.trainer_support import progress_postfix, to_device
+from memfit.train.trainer_support import TrainerCallback, progress_postfix, to_device
 
 __all__ = ["Trainer"]
 
@@ -70,7 +69,8 @@ class Trainer(Stepper):
             accumulation (default: the plan's, else 1).
         clip_norm: clip the gradient norm to this (after unscaling); None turns it off.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
-        callbacks: :class:`Callback` objects, called in order.
+        callbacks: :class:`memfit.train.callbacks.Callback` objects (anything with its hooks),
+            called in order.
         progress: show a progress bar in :meth:`fit`; None: only when stderr is a TTY.
         memory_every: also track memory every this many steps (0: only the first
             steady-state step; a GPU reports its allocator peak on every step anyway).
@@ -104,7 +104,7 @@ class Trainer(Stepper):
         micro_batches: int | None = None,
         clip_norm: float | None = None,
         scheduler: Any | None = None,
-        callbacks: Sequence[Callback] = (),
+        callbacks: Sequence[TrainerCallback] = (),
         progress: bool | None = None,
         memory_every: int = 0,
         track_memory: bool = True,
@@ -119,7 +119,7 @@ class Trainer(Stepper):
             track_memory=track_memory, dist=dist, guard=guard, oom=oom, save_last_good=self._save_last_good,
         )  # fmt: skip
         self.scheduler = scheduler
-        self.callbacks: list[Callback] = list(callbacks)
+        self.callbacks: list[TrainerCallback] = list(callbacks)
         self.progress = progress
         self.history: list[StepMetrics] = []
         self.stop_reason: str | None = None

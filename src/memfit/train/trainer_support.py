@@ -8,6 +8,9 @@ Example:
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 
@@ -17,8 +20,29 @@ from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
 from memfit.step import Batch
 from memfit.train.distributed import unwrap
+from memfit.vocab import normalize_mode
 
-__all__ = ["check_plan_applied", "model_device", "progress_postfix", "to_device"]
+__all__ = ["TrainerCallback", "check_plan_applied", "model_device", "progress_postfix", "to_device"]
+
+
+class TrainerCallback(Protocol):
+    """The hooks the Trainer calls; :class:`memfit.train.callbacks.Callback` implements them all.
+
+    # NOTE: a Protocol, so the Trainer need not import the callbacks module (which refers to
+    # the Trainer): the import graph stays a tree.
+    """
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """When :meth:`Trainer.fit` starts."""
+
+    def on_step_end(self, trainer: Any, metrics: StepMetrics) -> None:
+        """After every step."""
+
+    def on_fit_end(self, trainer: Any) -> None:
+        """When :meth:`Trainer.fit` ends."""
+
+    def save_last_good(self, trainer: Any) -> Path | None:
+        """Write the state before a step that cannot go on; return where, or None."""
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -46,7 +70,7 @@ def progress_postfix(m: StepMetrics, scaled: bool) -> str:
 
 
 def _plan_mode(mode: str) -> str | None:
-    return None if mode in ("keep", "none") else mode
+    return None if normalize_mode(mode) == "none" else mode
 
 
 def check_plan_applied(

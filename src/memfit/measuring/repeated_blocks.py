@@ -3,7 +3,7 @@
 A 32-layer model under fake tensors costs a second per block and precision and mode; its
 blocks are the same module with the same shapes, so their numbers are the same. Here the
 other blocks pass their input through (an instance-level forward layer, removed after), two
-blocks run, and :func:`memfit.measure.stepmodel.step_peak` adds the numbers up for all of
+blocks run, and :func:`memfit.stepmodel.simulate` adds the numbers up for all of
 them. The tests compare the result with measured peaks.
 
 Trade-off: only for residual blocks (output shaped like the first input) of one class with
@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit._forward import set_forward_layer
 from memfit.checkpointing import set_block_modes
-from memfit.measure.phases import _PhaseTracker, grad_bytes_of, phased_step
-from memfit.measure.profile import profile_from_memory
+from memfit.forward_layers import set_forward_layer
+from memfit.measuring.phases import grad_bytes_of, phased_step
+from memfit.measuring.profile import profile_from_memory
+from memfit.measuring.tracker import PhaseTracker
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import Batch, LossFn, batch_size
@@ -141,7 +142,7 @@ def optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    tracker = _PhaseTracker(next(p.device for p in model.parameters()), {}, {})
+    tracker = PhaseTracker(next(p.device for p in model.parameters()), {}, {})
     tracker.track_external(model, optimizer)
     with tracker:
         tracker.enter_phase("optimizer")

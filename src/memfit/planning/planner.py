@@ -1,4 +1,4 @@
-"""``memfit.plan`` and ``memfit.apply``: choose the cheapest plan that fits a budget, then apply it.
+"""``memfit.plan``: choose the cheapest plan that fits a budget (``memfit.apply`` applies it).
 
 ``plan`` profiles the model at each allowed precision, asks the exact solver for the
 fastest per-block checkpointing that fits at one micro-batch, then two, four... (the batch
@@ -30,20 +30,20 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from memfit.budget import format_bytes, parse_bytes
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
-from memfit.measure.memory import measure
-from memfit.plan.apply_plan import apply, validate_plan
-from memfit.plan.simulator import predict_step_seconds, simulate
-from memfit.plan.solver import Solution, minimum_peak, solve
+from memfit.measuring.memory import measure
+from memfit.planning.solver import Solution, minimum_peak, solve
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
+from memfit.stepmodel import predict_step_seconds, simulate
+from memfit.vocab import PRECISIONS
 
-__all__ = ["apply", "plan", "plan_from_profiles", "validate_plan"]
+__all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
-_PRECISIONS = ("fp32", "bf16", "fp16")
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
 
@@ -52,7 +52,7 @@ def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def _candidates(precision: str | Sequence[str], device: torch.device) -> list[str]:
+def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[str]:
     """The precisions to choose from: "auto" = fp32 and what the device runs natively."""
     if isinstance(precision, str):
         if precision == "auto":
@@ -61,10 +61,10 @@ def _candidates(precision: str | Sequence[str], device: torch.device) -> list[st
         chosen = [precision]
     else:
         chosen = list(precision)
-    bad = [p for p in chosen if p not in _PRECISIONS]
+    bad = [p for p in chosen if p not in PRECISIONS]
     if bad or not chosen:
         raise UnsupportedPrecision(
-            f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(_PRECISIONS)}, "
+            f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(PRECISIONS)}, "
             "or a list of them."
         )
     return list(dict.fromkeys(chosen))
@@ -75,7 +75,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _to_plan_modes(profile: Profile, modes: Sequence[str]) -> dict[str, str]:
-    return {b.name: ("keep" if m == "none" else m) for b, m in zip(profile.blocks, modes, strict=True)}
+    return {b.name: m for b, m in zip(profile.blocks, modes, strict=True)}
 
 
 def _explain(best: tuple[str, int, Solution], profiles: Mapping[str, Profile], budget: int) -> str:
@@ -153,7 +153,7 @@ def plan_from_profiles(
 def _profile(
     model: nn.Module, batch: Batch, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None, precision: str
 ) -> Profile:
-    from memfit.measure.profile import profile
+    from memfit.measuring.profile import profile
 
     return profile(model, batch, loss_fn, optimizer, precision)
 
@@ -162,7 +162,7 @@ def plan(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: int | str,
+    budget: int | str | Budget,
     optimizer: torch.optim.Optimizer | None = None,
     precision: str | Sequence[str] = "auto",
     *,
@@ -191,8 +191,8 @@ def plan(
         ConfigError: the budget cannot be read or is not positive.
     """
     device = _device(model)
-    wanted = _candidates(precision, device)
-    parse_bytes(budget, reference=2**50)  # refuse a bad budget before any profiling
+    wanted = candidate_precisions(precision, device)
+    spec = Budget.parse(budget)  # a bad budget is refused before any profiling
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
@@ -209,7 +209,7 @@ def plan(
         else:
             report = measure(model, batch, loss_fn, optimizer, "fp32", steps=1)
             baseline_peak, baseline_seconds = report.peak_bytes, report.step_seconds
-        budget_bytes = parse_bytes(budget, reference=baseline_peak)
+        budget_bytes = spec.resolve(baseline_peak)
         result = plan_from_profiles(profs, budget_bytes, baseline_peak, baseline_seconds)
         if check:
             result = _checked(model, batch, loss_fn, optimizer, profs, result)

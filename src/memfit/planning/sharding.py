@@ -15,7 +15,7 @@ A profile is measured on one process, unsharded, at the batch one rank computes.
   stay for the step.
 
 :func:`shard_profile` writes those rules into the profile's numbers, so
-:func:`memfit.plan.simulator.simulate` predicts the per-rank peak and the solver plans
+:func:`memfit.stepmodel.simulate` predicts the per-rank peak and the solver plans
 against a per-rank budget without knowing about FSDP.
 
 Trade-off: the rules are an upper bound (they assume the prefetch and both all-gather
@@ -93,5 +93,5 @@ def shard_profile(profile: Profile, world_size: int) -> Profile:
         new.backward_fixed_bytes = block.backward_fixed_bytes + added + g - new.grad_bytes
         new.param_bytes = _shard(p, w)
         previous = p
-    out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.plan.sharding)"]
+    out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"]
     return out

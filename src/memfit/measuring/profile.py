@@ -2,7 +2,7 @@
 
 The planner needs to know, for every block, what checkpointing it saves and what it costs.
 :func:`profile` runs one tracked step per mode (every block in that mode), reads the
-per-block memory from MemTracker (:mod:`memfit.measure.phases`), times the whole forward and
+per-block memory from MemTracker (:mod:`memfit.measuring.phases`), times the whole forward and
 backward in each mode (interleaved medians) and splits the time over the blocks by their
 share of the forward FLOPs, which it counts with ``FlopCounterMode``.
 
@@ -34,13 +34,15 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
-from memfit.measure.batchcheck import checked_step, tensor_bytes
-from memfit.measure.memory import _device_of, measure
-from memfit.measure.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
-from memfit.measure.state import preserved
+from memfit.measuring.batchcheck import checked_step, tensor_bytes
+from memfit.measuring.memory import measure
+from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
+from memfit.measuring.preserve import preserved
+from memfit.measuring.tracker import device_of
 from memfit.precision import Precision, as_precision
-from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
+from memfit.records import BlockStats, Profile
 from memfit.step import Batch, LossFn, batch_size, training_step
+from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["profile", "profile_from_memory"]
 
@@ -69,7 +71,7 @@ def _mode_times(
     Modes run interleaved (none, selective, full, none, ...) after one warm-up round, so
     drift of a shared machine hits them alike.
     """
-    device = _device_of(model)
+    device = device_of(model)
     fw: dict[str, list[float]] = defaultdict(list)
     bw: dict[str, list[float]] = defaultdict(list)
     marks: dict[str, float] = {}
@@ -167,7 +169,7 @@ def profile_from_memory(
     first = base.blocks[0].forward_start - base.start if blocks else 0
     return Profile(
         precision=precision,
-        device=str(_device_of(model)),
+        device=str(device_of(model)),
         batch_size=batch_size,
         blocks=stats,
         outside=outside,
@@ -217,7 +219,7 @@ def profile(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    device = _device_of(model)
+    device = device_of(model)
     prec = as_precision(precision, device=device)
     blocks = find_blocks(model)
     notes: list[str] = []

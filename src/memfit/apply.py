@@ -1,14 +1,20 @@
-"""``memfit.apply``: put a plan's per-block checkpointing on a model, after checking it fits.
+"""``memfit.apply``: the one call that changes a model the way a :class:`memfit.Plan` says.
 
-The plan is data (:class:`memfit.Plan`); this is the one call that acts on a model. A plan
-made for another model is refused before anything changes: block names the model lacks,
-blocks the model has that the plan leaves out, unknown modes, precisions or micro-batches.
+A plan is plain data (``memfit.plan`` decides, ``Plan.from_json`` reads one back); applying
+it checks that it fits this model first (block names that exist, known modes and
+precision) and then sets each block's checkpointing. The precision and the micro-batches
+are run by the training step, not stored in the model.
+
+Trade-off: a plan made for another model is refused with the names it lacks rather than
+applied to whatever matches, so a stale plan.json never silently leaves blocks unplanned.
 
 Example:
     >>> from torch import nn
     >>> from memfit.checkpointing import checkpointed_blocks
+    >>> from memfit.records import Plan
     >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-    >>> checkpointed_blocks(apply(model, Plan(blocks={"0": "full", "1": "keep"})))
+    >>> _ = apply(model, Plan(blocks={"0": "full", "1": "none"}))
+    >>> checkpointed_blocks(model)
     {'0': 'full'}
 """
 
@@ -21,26 +27,17 @@ from torch import nn
 from memfit.checkpointing import find_blocks, set_block_modes, uncheckpoint
 from memfit.errors import ConfigError, MemfitError
 from memfit.records import Plan
+from memfit.vocab import PRECISIONS, normalize_modes
 
-__all__ = ["apply", "validate_plan"]
-
-_PRECISIONS = ("fp32", "bf16", "fp16")
-_PLAN_MODES = {"keep": "none", "none": "none", "selective": "selective", "full": "full"}
+__all__ = ["apply", "check_plan_fits"]
 
 
-def validate_plan(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan that was not made for ``model``: block names it lacks, blocks it has that
-    a planned plan leaves out, unknown modes, precision or micro-batches.
+def check_plan_fits(model: nn.Module, plan: Plan) -> None:
+    """Refuse a plan that does not fit ``model``: unknown blocks, modes, precision or micro-batches,
+    or a planned plan that leaves out some of the model's blocks.
 
     Raises:
-        ConfigError: one sentence naming the blocks or the value, and the fix.
-
-    Example:
-        >>> from torch import nn
-        >>> validate_plan(nn.Sequential(nn.Linear(4, 4)), Plan(blocks={"0": "x"}))
-        Traceback (most recent call last):
-        ...
-        memfit.errors.ConfigError: unknown block mode(s) {'0': 'x'} in the plan; use keep, selective or full.
+        ConfigError: one sentence naming what does not fit and what to do.
     """
     modules = {n for n, _ in model.named_modules() if n}
     missing = [n for n in plan.blocks if n not in modules]
@@ -53,11 +50,9 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
             f"the plan names block(s) {', '.join(hints)} that {type(model).__name__} does not have; "
             "it was made for a different model: run memfit plan again for this one."
         )
-    bad = {n: m for n, m in plan.blocks.items() if m not in _PLAN_MODES}
-    if bad:
-        raise ConfigError(f"unknown block mode(s) {bad} in the plan; use keep, selective or full.")
-    if plan.precision not in _PRECISIONS:
-        raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(_PRECISIONS)}.")
+    normalize_modes(plan.blocks)
+    if plan.precision not in PRECISIONS:
+        raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(PRECISIONS)}.")
     if plan.micro_batches < 1:
         raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
     if plan.blocks and plan.predicted_peak_bytes > 0:
@@ -85,23 +80,15 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
 
     Args:
         model: the model the plan was made for.
-        plan: a :class:`Plan` (e.g. from :func:`plan` or ``Plan.from_json``).
+        plan: a :class:`memfit.Plan` (e.g. from :func:`memfit.plan` or ``Plan.from_json``).
 
     Returns:
         The same model object.
 
     Raises:
-        ConfigError: the plan was not made for this model (see :func:`validate_plan`).
-
-    Example:
-        >>> from torch import nn
-        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> _ = apply(model, Plan(blocks={"0": "full", "1": "keep"}))
-        >>> from memfit.checkpointing import checkpointed_blocks
-        >>> checkpointed_blocks(model)
-        {'0': 'full'}
+        ConfigError: the plan names blocks the model does not have, or an unknown mode.
     """
-    validate_plan(model, plan)
+    check_plan_fits(model, plan)
     uncheckpoint(model)
-    set_block_modes(model, {n: _PLAN_MODES[m] for n, m in plan.blocks.items()})
+    set_block_modes(model, normalize_modes(plan.blocks))
     return model

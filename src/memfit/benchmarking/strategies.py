@@ -36,10 +36,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from memfit.benchmarking.sequential import install_sequential
 from memfit.checkpointing import checkpoint
 from memfit.errors import ConfigError
-from memfit.measure.sequential import install_sequential
 from memfit.step import Batch, LossFn
+from memfit.vocab import PRECISIONS
 
 __all__ = [
     "BENCH_CHECKPOINTING",
@@ -50,7 +51,7 @@ __all__ = [
     "resolve_strategies",
 ]
 
-BENCH_PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
+BENCH_PRECISIONS: tuple[str, ...] = PRECISIONS
 BENCH_CHECKPOINTING: tuple[str, ...] = ("none", "full", "every2", "sequential", "selective")
 
 Prepare = Callable[[nn.Module, Batch, LossFn], nn.Module]

@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
-from memfit._forward import set_forward_layer
 from memfit.checkpointing import find_blocks
 from memfit.errors import MemfitError
+from memfit.forward_layers import set_forward_layer
 
 __all__ = ["NotSequential", "install_sequential", "sqrt_segments", "uninstall_sequential"]
 

@@ -33,10 +33,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from memfit.checkpointing import uncheckpoint
-from memfit.devices import device_facts
-from memfit.errors import ConfigError, MemfitError
-from memfit.measure.copies import (
+from memfit.benchmarking.copies import (
     OptimizerArg,
     Parked,
     batch_to,
@@ -46,11 +43,14 @@ from memfit.measure.copies import (
     sync,
     unpark,
 )
-from memfit.measure.memory import tracked_step
-from memfit.measure.strategies import Strategy, builtin_strategy, resolve_strategies
+from memfit.benchmarking.pareto import mark_front
+from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
+from memfit.checkpointing import uncheckpoint
+from memfit.devices import device_facts
+from memfit.errors import ConfigError, MemfitError
+from memfit.measuring.memory import tracked_step
 from memfit.precision import Precision
 from memfit.records import BenchPoint
-from memfit.report.pareto import mark_front
 from memfit.step import Batch, LossFn, training_step
 
 __all__ = ["bench"]

@@ -1,24 +1,23 @@
-"""One training step's memory split into phases and blocks, from PyTorch's MemTracker.
+"""Every use of PyTorch's private memory-tracker internals, in one module.
 
-``measure`` reports one peak; profiling and estimating need to know where in the step
-memory is held: how much each block keeps from its forward to its backward, the transient
-peak inside each block's forward and backward, the part of the step outside the blocks,
-and the optimizer step. :func:`phased_step` runs the same :func:`memfit.step.training_step`
-under a :class:`~torch.distributed._tools.mem_tracker.MemTracker` (real or fake tensors)
-and reads those numbers from its per-module snapshots.
+memfit counts bytes with ``torch.distributed._tools.mem_tracker.MemTracker`` (and
+``FSDPMemTracker`` for FSDP2 models): exact, repeatable counts by category on any device,
+real or fake tensors. Reading phases and per-block numbers out of it needs some of its
+private names (snapshot keys, module states, the storage walk). They are all here, so a
+PyTorch upgrade that moves them breaks one file, and the rest of memfit talks to the
+tracker through :class:`MemoryWatch`, :class:`PhaseTracker`, :func:`breakdown_of` and
+:func:`block_memory`.
 
-Trade-off: the per-op bookkeeping costs time, so the tracker here replaces MemTracker's
-peak update (which visits every module ever seen, for every op: quadratic in model size)
-with one that visits only the modules running now; the numbers are the same.
+Trade-off: subclassing a private class is brittle across PyTorch releases; the tests of
+measure, profile and estimate exercise every method here on each upgrade, and the pinned
+torch in requirements-dev.txt is the version they were checked against.
 
 Example:
     >>> import torch
-    >>> from memfit.precision import Precision
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
-    >>> x = torch.randint(0, 256, (2, 16))
-    >>> mem = phased_step(model, (x, x), gpt_loss, None, Precision("fp32"), ["blocks.0", "blocks.1"])
-    >>> mem.peak == max(mem.phase_peaks.values())
+    >>> model = torch.nn.Linear(4, 4)
+    >>> with MemoryWatch(model) as watch:
+    ...     model(torch.randn(2, 4)).sum().backward()
+    >>> watch.peak_bytes == sum(watch.breakdown.values()) > 0
     True
 """
 
@@ -26,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,14 +33,132 @@ from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 
-from memfit.measure.memory import _device_of, _parts
-from memfit.precision import Precision
-from memfit.step import Batch, LossFn, training_step
+__all__ = [
+    "BlockMemory",
+    "MemoryWatch",
+    "PhaseTracker",
+    "block_memory",
+    "breakdown_of",
+    "device_of",
+    "fsdp_breakdown_of",
+    "is_fsdp",
+]
 
-__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "optimizer_state_bytes", "phased_step"]
+#: Owners of storages the forward creates outside every block: before the first, after the last.
+OUTSIDE_BEFORE, OUTSIDE_AFTER = "<outside before>", "<outside after>"
 
-PHASES = ("forward", "backward", "optimizer")
-_BEFORE, _AFTER = "<outside before>", "<outside after>"
+
+def breakdown_of(snapshot: dict[Any, int]) -> dict[str, int]:
+    """Map MemTracker's categories onto memfit's breakdown keys."""
+    get = snapshot.get
+    return {
+        "params": get(_MemRefType.PARAM, 0) + get(_MemRefType.BUFFER, 0),
+        "grads": get(_MemRefType.GRAD, 0),
+        "optimizer": get(_MemRefType.OPT, 0),
+        "activations": get(_MemRefType.ACT, 0),
+        "temporaries": get(_MemRefType.TEMP, 0) + get(_MemRefType.OTH, 0),
+    }
+
+
+def fsdp_breakdown_of(snapshot: dict[Any, int]) -> dict[str, int]:
+    """Map FSDPMemTracker's categories (sharded, unsharded, collectives) onto the breakdown."""
+    by = {getattr(k, "name", str(k)): v for k, v in snapshot.items()}
+    get = by.get
+    return {
+        "params": get("SHARDED_PARAM", 0)
+        + get("UNSHARDED_PARAM", 0)
+        + get("BUFFER", 0)
+        + get("ALL_GATHER", 0),
+        "grads": get("SHARDED_GRAD", 0) + get("UNSHARDED_GRAD", 0) + get("REDUCE_SCATTER", 0),
+        "optimizer": get("OPT", 0),
+        "activations": get("ACT", 0) + get("INP", 0),
+        "temporaries": get("TEMP", 0) + get("OTH", 0),
+    }
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def device_of(model: nn.Module) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+class MemoryWatch:
+    """Context that tracks the memory of the training step run inside it.
+
+    MemTracker gives the breakdown on every device; on a GPU the CUDA allocator's peak is
+    the total. Tracking only observes: the step computes exactly what it would untracked.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with MemoryWatch(model) as watch:
+        ...     model(torch.randn(2, 4)).sum().backward()
+        >>> watch.peak_bytes == sum(watch.breakdown.values()) > 0
+        True
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        self.model = model
+        self._hook: Any = None
+        self.device = device_of(model)
+        self.peak_bytes = 0
+        self.breakdown: dict[str, int] = {}
+        self._parts = breakdown_of
+        if is_fsdp(model):
+            # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
+            # shards plus the unsharded parameters and gradients of the block computing.
+            from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+            self._tracker: MemTracker = FSDPMemTracker(model, optimizer)
+            self._parts = fsdp_breakdown_of
+        else:
+            self._tracker = MemTracker()
+            modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
+            self._tracker.track_external(*modules)
+
+    def current(self) -> dict[str, int]:
+        """The breakdown of what is held now (call inside the context)."""
+        return self._parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
+
+    def __enter__(self) -> MemoryWatch:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        # NOTE: registered before MemTracker's own global hooks so it runs first.
+        self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
+        self._tracker.__enter__()
+        return self
+
+    def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
+        # NOTE: MemTracker refuses a second forward of the root module in one context (it
+        # takes it for a new iteration). With gradient accumulation that second forward is
+        # the next micro-batch of the same step: clear the per-module statistics (the
+        # peak snapshot is kept) so it is tracked like the first.
+        tracker = self._tracker
+        if module is self.model and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+
+    def __exit__(self, *exc: object) -> None:
+        self._tracker.__exit__(*exc)
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self.breakdown = self._parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
+        self.peak_bytes = sum(self.breakdown.values())
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # NOTE: on a GPU the allocator's peak is the truth: it also counts what MemTracker
+            # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            self.breakdown["temporaries"] += self.peak_bytes - sum(self.breakdown.values())
 
 
 @dataclass
@@ -63,60 +180,7 @@ class BlockMemory:
     """Highest total while the block's backward runs (recompute included)."""
 
 
-@dataclass
-class StepMemory:
-    """Where one training step holds memory; every number is a MemTracker total in bytes."""
-
-    start: int
-    """Total when the step starts (gradients already freed): parameters, buffers, optimizer state."""
-    start_parts: dict[str, int]
-    """``start`` split into memfit's breakdown keys."""
-    forward_end: int
-    """Total when the loss is ready."""
-    backward_end: int
-    """Total after the last backward, before the optimizer step."""
-    peak: int
-    """Highest total of the step."""
-    breakdown: dict[str, int]
-    """The peak split into memfit's breakdown keys."""
-    phase_peaks: dict[str, int] = field(default_factory=dict)
-    """Highest total in each phase (forward, backward, optimizer)."""
-    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
-    """Each phase's peak split into memfit's breakdown keys."""
-    blocks: list[BlockMemory] = field(default_factory=list)
-    """Per block, in forward order."""
-    outside_forward_peak: int = 0
-    """Highest (total - start - bytes kept by blocks whose forward finished) outside blocks in forward."""
-    outside_backward_peak: int = 0
-    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside blocks."""
-    early_grads: int = 0
-    """Gradient bytes that exist when the first block's backward (the last block) starts."""
-    saved: dict[str, int] = field(default_factory=dict)
-    """Per block: bytes it created in its forward that are still alive when the forward ends."""
-    outside_before_kept: int = 0
-    """Bytes alive when the forward ends that were not created by a block nor by the outside
-    after the last block (embedding outputs, the input batch)."""
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
-    """Bytes of the optimizer's state tensors by dtype name (``{"float32": ...}``)."""
-    out: dict[str, int] = {}
-    if optimizer is None:
-        return out
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                key = str(value.dtype).removeprefix("torch.")
-                out[key] = out.get(key, 0) + value.numel() * value.element_size()
-    return out
-
-
-def grad_bytes_of(module: nn.Module) -> int:
-    """Bytes of the gradients of ``module``'s trainable parameters (same dtype as the parameters)."""
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
-
-
-class _PhaseTracker(MemTracker):
+class PhaseTracker(MemTracker):
     """MemTracker with phase peaks, outside-of-block peaks and a faster peak update."""
 
     def __init__(self, device: torch.device, blocks: dict[int, str], grads: dict[str, int]) -> None:
@@ -143,7 +207,7 @@ class _PhaseTracker(MemTracker):
         return int(self._curr_mem_snap.get(self.device, {}).get(_TOTAL_KEY, 0))
 
     def current_parts(self) -> dict[str, int]:
-        return _parts(self._curr_mem_snap.get(self.device, {}))
+        return breakdown_of(self._curr_mem_snap.get(self.device, {}))
 
     def grads_now(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get(_MemRefType.GRAD, 0))
@@ -188,7 +252,9 @@ class _PhaseTracker(MemTracker):
         if active:
             owner = self._fqn_names[max(active, key=len)]
         else:
-            owner = _AFTER if self._blocks and self._blocks_done >= len(self._blocks) else _BEFORE
+            owner = (
+                OUTSIDE_AFTER if self._blocks and self._blocks_done >= len(self._blocks) else OUTSIDE_BEFORE
+            )
         for st in get_untyped_storages(t):
             winfo = self._WINFO.get(st, (None, None))[0]
             if winfo is not None and winfo not in self._owner and winfo not in self._before:
@@ -240,7 +306,7 @@ def _tot(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:
     return int(snapshot.get(device, {}).get(_TOTAL_KEY, 0))
 
 
-def _block_memory(tracker: _PhaseTracker, name: str, module: nn.Module) -> BlockMemory:
+def block_memory(tracker: PhaseTracker, name: str, module: nn.Module) -> BlockMemory:
     stats = tracker.memory_tracking.get(module)
     out = BlockMemory(name=name)
     if stats is None:
@@ -258,80 +324,3 @@ def _block_memory(tracker: _PhaseTracker, name: str, module: nn.Module) -> Block
     out.backward_grads = int(first(_ModState.PRE_BW).get(dev, {}).get(_MemRefType.GRAD, 0))
     out.backward_peak = max(_tot(first(_ModState.PEAK_BW), dev), out.backward_start)
     return out
-
-
-def phased_step(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
-    precision: Precision,
-    blocks: list[str],
-    step_optimizer: bool = True,
-) -> StepMemory:
-    """Run one training step under MemTracker and return where it held memory.
-
-    Args:
-        model: the model (real or fake tensors), checkpointed as it should be measured.
-        batch: the batch; loss_fn: ``loss_fn(model, batch) -> scalar``.
-        optimizer: its state counts as held memory; its step is the third phase.
-        precision: the precision the step runs in.
-        blocks: qualified names of the blocks to report on, in forward order.
-        step_optimizer: False skips the optimizer step (its state is still counted), for
-            callers that already know the optimizer phase from an identical step.
-
-    Returns:
-        A :class:`StepMemory`.
-    """
-    device = _device_of(model)
-    modules = {id(model.get_submodule(b)): b for b in blocks}
-    grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
-    tracker = _PhaseTracker(device, modules, grads)
-    tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    marks: dict[str, int] = {}
-
-    def _after_forward() -> None:
-        marks["forward_end"] = tracker.total()
-        tracker.close_forward()
-        tracker.enter_phase("backward")
-
-    def _after_backward() -> None:
-        marks["backward_end"] = tracker.total()
-        tracker.enter_phase("optimizer")
-
-    with tracker:
-        start, start_parts = tracker.total(), tracker.current_parts()
-        tracker.enter_phase("forward")
-        training_step(
-            model,
-            batch,
-            loss_fn,
-            optimizer if step_optimizer else None,
-            precision,
-            after_forward=_after_forward,
-            after_backward=_after_backward,
-        )
-    block_mem = [_block_memory(tracker, b, model.get_submodule(b)) for b in blocks]
-    peak_phase = max(tracker.phase_peak, key=lambda p: tracker.phase_peak[p])
-    return StepMemory(
-        start=start,
-        start_parts=start_parts,
-        forward_end=marks.get("forward_end", start),
-        backward_end=marks.get("backward_end", start),
-        peak=tracker.phase_peak[peak_phase],
-        breakdown=_parts(tracker.phase_snap[peak_phase]),
-        phase_peaks=dict(tracker.phase_peak),
-        phase_breakdowns={p: _parts(s) for p, s in tracker.phase_snap.items()},
-        blocks=block_mem,
-        outside_forward_peak=max(0, tracker.outside_peak["forward"]),
-        outside_backward_peak=max(0, tracker.outside_peak["backward"]),
-        early_grads=block_mem[-1].backward_grads if block_mem else 0,
-        saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
-        outside_before_kept=marks.get("forward_end", start)
-        - start
-        - sum(tracker.saved_alive.get(b, 0) for b in blocks)
-        - tracker.saved_alive.get(_AFTER, 0),
-    )

@@ -25,10 +25,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from memfit.apply import apply
+from memfit.benchmarking.strategies import Strategy
 from memfit.errors import InfeasibleBudget
-from memfit.measure.profile import profile
-from memfit.measure.strategies import Strategy
-from memfit.plan.planner import _candidates, apply, plan
+from memfit.measuring.profile import profile
+from memfit.planning.planner import candidate_precisions, plan
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
 
@@ -74,7 +75,8 @@ def planner_strategies(
     """
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     profiles: dict[str, Profile] = {
-        p: profile(model, batch, loss_fn, optimizer, p, repeats=1) for p in _candidates(precision, device)
+        p: profile(model, batch, loss_fn, optimizer, p, repeats=1)
+        for p in candidate_precisions(precision, device)
     }
     out: list[Strategy] = []
     for budget in budgets:

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from memfit.plan.simulator import block_options, block_seconds, events, simulate
 from memfit.records import Profile
+from memfit.stepmodel import block_options, block_seconds, events, simulate
 
 __all__ = ["Solution", "minimum_peak", "solve"]
 

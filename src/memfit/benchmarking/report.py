@@ -22,9 +22,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from memfit.benchmarking.pareto import recommendation
 from memfit.budget import format_bytes
 from memfit.records import BenchPoint
-from memfit.report.pareto import recommendation
 from memfit.report.table import markdown_table, text_table
 
 __all__ = [
@@ -151,7 +151,7 @@ def write_bench_files(
     Returns:
         ``{"md": path, "json": path, "csv": path, "png": path}``.
     """
-    from memfit.report.bench_plot import plot_bench
+    from memfit.benchmarking.plot import plot_bench
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,13 +1,15 @@
-"""Predict the peak memory and time of one training step from a Profile, without running it.
+"""The one model of a training step's cost: memory events by role, and step time.
 
-The simulator walks the step as events (each block's forward, the head and loss, each
-block's backward in reverse order, the optimizer step) and adds up, at each event, what is
-held: parameters and optimizer state, the gradients accumulated so far, the activations
-still kept by the blocks not yet back-propagated, and the transient bytes of the work
-running then (a block's backward with its recompute). The peak is the largest event. The
-events are the ones :class:`memfit.Profile` documents its numbers for. Each is linear in the
-per-block choices, so the solver constrains exactly the expressions the simulator
-evaluates: one source of truth for "fits".
+A :class:`memfit.Profile` holds per-block numbers each measured with every block in one
+mode; a plan mixes modes. This module walks the step as events (each block's forward, the
+head and loss, each block's backward in reverse order, the optimizer step) and adds up, at
+each event, what is held, split by role: parameters, gradients accumulated so far,
+optimizer state, activations still kept by the blocks not yet back-propagated, and the
+transient bytes of the work running then (a block's backward with its recompute). The
+peak is the largest event. Each event is linear in the per-block choices, so the solver
+(:mod:`memfit.planning.solver`) constrains exactly the expressions :func:`simulate`
+evaluates, and ``memfit profile``, ``memfit estimate`` and ``memfit plan`` all report
+peaks from this one model.
 
 Trade-off: it is a model of the step, not a replay: it treats blocks as additive (a block's
 kept bytes do not depend on its neighbours' modes). That is exact for chains of blocks and
@@ -23,18 +25,21 @@ Example:
     ...                optimizer_bytes=20, optimizer_temp_bytes=10)
     >>> simulate(prof, {"b0": "none"}).peak_bytes
     180
-    >>> simulate(prof, {"b0": "full"}).peak_bytes
-    190
+    >>> sim = simulate(prof, "full")
+    >>> sim.peak_bytes, sim.peak_event, sim.breakdown["temporaries"]
+    (190, 'backward of b0', 150)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from memfit.errors import ConfigError
-from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
+from memfit.records import BREAKDOWN_KEYS, BlockStats, Profile
+from memfit.vocab import CHECKPOINT_MODES, normalize_mode
 
 __all__ = [
     "Event",
@@ -48,20 +53,42 @@ __all__ = [
     "simulate",
 ]
 
-#: What a Plan calls a block that is not checkpointed; the checkpointing API says "none".
-_ALIASES = {"keep": "none"}
+#: Bytes per role (:data:`memfit.records.BREAKDOWN_KEYS`); roles not named hold nothing.
+Parts = Mapping[str, int]
 
 
 @dataclass(frozen=True)
 class Event:
-    """One moment of the step: ``const + sum(coef[i][mode of block i])`` bytes are held.
+    """One moment of the step: ``fixed`` bytes plus, per block, its bytes in its chosen mode.
 
-    ``coef`` maps a block index to its bytes per mode; blocks absent from it add nothing.
+    Both are split by role (params, grads, optimizer, activations, temporaries); blocks
+    absent from ``blocks`` add nothing. :attr:`const` and :attr:`coef` are the same numbers
+    summed over roles: the linear expression the solver constrains.
     """
 
     label: str
-    const: int
-    coef: dict[int, dict[str, int]] = field(default_factory=dict)
+    fixed: Parts
+    """Bytes held at this moment whatever the plan, by role."""
+    blocks: Mapping[int, Mapping[str, Parts]] = field(default_factory=dict)
+    """Block index -> mode -> bytes by role that the block adds at this moment."""
+
+    @property
+    def const(self) -> int:
+        """``fixed`` summed over roles."""
+        return sum(self.fixed.values())
+
+    @functools.cached_property
+    def coef(self) -> dict[int, dict[str, int]]:
+        """Block index -> mode -> bytes (summed over roles)."""
+        return {i: {m: sum(parts.values()) for m, parts in per.items()} for i, per in self.blocks.items()}
+
+    def parts(self, modes: Sequence[str]) -> dict[str, int]:
+        """Bytes held at this event by role, when block ``i`` runs in ``modes[i]``."""
+        out = {k: int(self.fixed.get(k, 0)) for k in BREAKDOWN_KEYS}
+        for i, per in self.blocks.items():
+            for role, n in per[modes[i]].items():
+                out[role] += n
+        return out
 
     def value(self, modes: Sequence[str]) -> int:
         """Bytes held at this event when block ``i`` runs in ``modes[i]``."""
@@ -70,23 +97,27 @@ class Event:
 
 @dataclass
 class Simulation:
-    """A predicted step: its peak, the event where it happens, and every event's bytes."""
+    """A predicted step: its peak, where it happens, its split by role, and every event's bytes."""
 
     peak_bytes: int
     peak_event: str
     timeline: list[tuple[str, int]]
     fixed_bytes: int
     """Parameters + gradients + optimizer state + optimizer temporaries: no plan removes these."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """The peak split into :data:`memfit.records.BREAKDOWN_KEYS`; adds up to ``peak_bytes``."""
 
 
-def normalize_modes(profile: Profile, modes: Mapping[str, str] | Sequence[str]) -> list[str]:
-    """Per-block modes in profile order; accepts ``{name: mode}`` or a list, ``keep`` = ``none``.
+def normalize_modes(profile: Profile, modes: str | Mapping[str, str] | Sequence[str]) -> list[str]:
+    """Per-block modes in profile order from one mode for all, ``{name: mode}`` or a list.
 
     Raises:
         ConfigError: a block is missing, unknown, or its mode was not profiled.
     """
     names = [b.name for b in profile.blocks]
-    if isinstance(modes, Mapping):
+    if isinstance(modes, str):
+        seq = [modes] * len(names)
+    elif isinstance(modes, Mapping):
         unknown = sorted(set(modes) - set(names))
         if unknown:
             raise ConfigError(f"block(s) {unknown} are not in the profile; its blocks are {names}.")
@@ -98,7 +129,7 @@ def normalize_modes(profile: Profile, modes: Mapping[str, str] | Sequence[str]) 
         seq = list(modes)
         if len(seq) != len(names):
             raise ConfigError(f"got {len(seq)} modes for {len(names)} profiled blocks; give one per block.")
-    out = [_ALIASES.get(m, m) for m in seq]
+    out: list[str] = [normalize_mode(m) for m in seq]
     for block, mode in zip(profile.blocks, out, strict=True):
         if mode not in block_options(block):
             raise ConfigError(
@@ -151,14 +182,15 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
     """
     s = micro_batch_scale(profile.batch_size, micro_batches)
     out = profile.outside
+    state = {"params": profile.param_bytes, "optimizer": profile.optimizer_bytes}
     # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
     # step; MemTracker then counts their whole storage, for the rest of the step.
-    fixed = profile.param_bytes + profile.optimizer_bytes + (profile.input_bytes if micro_batches > 1 else 0)
+    whole_input = profile.input_bytes if micro_batches > 1 else 0
     before = _scaled(profile.outside_before_bytes, s)
     kept_before = _scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s)
     early = profile.early_grad_bytes
     # NOTE: the outside's numbers were measured with every block in one mode; they barely
-    # depend on it, and taking the largest keeps mixed plans on the safe side.
+    # depend on it (the tests find them equal), and the largest keeps mixed plans safe.
     out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
     out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
     n = len(profile.blocks)
@@ -176,6 +208,13 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
         {m: _scaled(b.backward_peak_bytes[m], s, _block_grad_bytes(b) + b.backward_fixed_bytes) for m in o}
         for b, o in pairs
     ]
+
+    def acts(per_mode: dict[str, int]) -> dict[str, Parts]:
+        return {m: {"activations": v} for m, v in per_mode.items()}
+
+    def temps(per_mode: dict[str, int]) -> dict[str, Parts]:
+        return {m: {"temporaries": v} for m, v in per_mode.items()}
+
     result: list[Event] = []
     phases = (
         [("", False)]
@@ -183,46 +222,56 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
         else [("first micro-batch: ", False), ("later micro-batch: ", True)]
     )
     for prefix, later in phases:
-        start = fixed + (profile.grad_bytes if later else 0)
+        start = {**state, "grads": profile.grad_bytes if later else 0}
         for i, block in enumerate(profile.blocks):
-            coef = {j: dict(held[j]) for j in range(i)}
-            coef[i] = dict(fwd[i])
-            result.append(Event(f"{prefix}forward of {block.name}", start + before, coef))
-        all_held = {j: dict(held[j]) for j in range(n)}
-        all_saved = {j: dict(saved[j]) for j in range(n)}
-        result.append(Event(f"{prefix}forward outside the blocks (head, loss)", start + out_fwd, all_held))
-        result.append(Event(f"{prefix}backward outside the blocks (loss, head)", start + out_bwd, all_saved))
+            per: dict[int, Mapping[str, Parts]] = {j: acts(held[j]) for j in range(i)}
+            per[i] = temps(fwd[i])
+            fixed = {**start, "activations": whole_input + before}
+            result.append(Event(f"{prefix}forward of {block.name}", fixed, per))
+        all_held = {j: acts(held[j]) for j in range(n)}
+        all_saved = {j: acts(saved[j]) for j in range(n)}
+        fixed = {**start, "activations": whole_input, "temporaries": out_fwd}
+        result.append(Event(f"{prefix}forward outside the blocks (head, loss)", fixed, all_held))
+        fixed = {**start, "activations": whole_input, "temporaries": out_bwd}
+        result.append(Event(f"{prefix}backward outside the blocks (loss, head)", fixed, all_saved))
         grads = profile.grad_bytes if later else early
         for i in reversed(range(n)):
-            coef = {j: dict(saved[j]) for j in range(i)}
-            coef[i] = {m: saved[i][m] + bwd[i][m] for m in saved[i]}
+            per = {j: acts(saved[j]) for j in range(i)}
+            per[i] = {m: {"activations": saved[i][m], "temporaries": bwd[i][m]} for m in saved[i]}
             block = profile.blocks[i]
-            result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + kept_before, coef))
+            fixed = {**state, "grads": grads, "activations": whole_input + kept_before}
+            result.append(Event(f"{prefix}backward of {block.name}", fixed, per))
             if not later:
                 grads += _block_grad_bytes(block)
-    result.append(Event("optimizer step", fixed + profile.grad_bytes + profile.optimizer_temp_bytes))
+    last = {**state, "grads": profile.grad_bytes, "activations": whole_input}
+    result.append(Event("optimizer step", {**last, "temporaries": profile.optimizer_temp_bytes}))
     return result
 
 
 def simulate(
-    profile: Profile, modes: Mapping[str, str] | Sequence[str], micro_batches: int = 1
+    profile: Profile, modes: str | Mapping[str, str] | Sequence[str], micro_batches: int = 1
 ) -> Simulation:
-    """Predict the step's peak bytes for the given per-block modes.
+    """Predict the step's peak bytes, and its split by role, for the given per-block modes.
 
     Args:
-        profile: measured per-block costs at the precision the plan uses.
-        modes: ``{block name: mode}`` or a list in block order; modes are ``keep``/``none``,
-            ``selective`` or ``full``.
+        profile: measured (or estimated) per-block costs at the precision the plan uses.
+        modes: one mode for every block, ``{block name: mode}`` or a list in block order;
+            modes are ``none``, ``selective`` or ``full`` (``keep`` reads as ``none``).
         micro_batches: number of gradient-accumulation micro-batches.
 
     Returns:
-        A :class:`Simulation` with the peak, the event where it happens and the timeline.
+        A :class:`Simulation` with the peak, the event where it happens, the breakdown at
+        the peak and the timeline.
     """
     seq = normalize_modes(profile, modes)
-    timeline = [(e.label, e.value(seq)) for e in events(profile, micro_batches)]
-    label, peak = max(timeline, key=lambda t: t[1])
+    evs = events(profile, micro_batches)
+    timeline = [(e.label, e.value(seq)) for e in evs]
+    at = max(range(len(evs)), key=lambda k: timeline[k][1])
+    label, peak = timeline[at]
     fixed = profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes + profile.optimizer_temp_bytes
-    return Simulation(peak_bytes=peak, peak_event=label, timeline=timeline, fixed_bytes=fixed)
+    return Simulation(
+        peak_bytes=peak, peak_event=label, timeline=timeline, fixed_bytes=fixed, breakdown=evs[at].parts(seq)
+    )
 
 
 def block_seconds(block: BlockStats) -> dict[str, float]:

@@ -33,12 +33,12 @@ from torch import nn
 
 import memfit
 from memfit.checkpointing import checkpoint, checkpointed_blocks, uncheckpoint
-from memfit.measure.profile import profile
-from memfit.plan.simulator import simulate
-from memfit.plan.solver import minimum_peak
+from memfit.measuring.profile import profile
+from memfit.planning.solver import minimum_peak
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import training_step
+from memfit.stepmodel import simulate
 from memfit.train.gpt import gpt_loss
 
 # The simulator's prediction must be this close to the measured peak.
@@ -149,7 +149,7 @@ def test_planned_gradients_equal_plain(setup: Setup, squeeze: str) -> None:
     )
     assert (plan.micro_batches > 1) == (squeeze == "micro-batches")
     if squeeze == "checkpointing":
-        assert set(plan.blocks.values()) != {"keep"}
+        assert set(plan.blocks.values()) != {"none"}
     plain = copy.deepcopy(s.model)
     planned = memfit.apply(copy.deepcopy(s.model), plan)
     want = _grads(plain, s, plan.micro_batches)

@@ -3,7 +3,7 @@
 The model, its optimizer and the batch are built under PyTorch's ``FakeTensorMode``: tensors
 carry shapes, dtypes and devices but no storage, so a 7B-parameter model fits in a laptop's
 memory. The same :func:`memfit.step.training_step` then runs under the same MemTracker
-accounting :func:`memfit.measure` uses (:func:`memfit.measure.phases.phased_step`), once
+accounting :func:`memfit.measure` uses (:func:`memfit.measuring.phases.phased_step`), once
 per precision and mode, so the estimate is what ``measure`` would report on this device
 type, activations included (HF's ``accelerate estimate-memory`` and DeepSpeed's estimators
 count parameters, gradients and optimizer state only).
@@ -40,22 +40,21 @@ from torch.utils._pytree import tree_map_only
 from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
-from memfit.measure.batchcheck import batch_errors
-from memfit.measure.phases import (
+from memfit.measuring.batchcheck import batch_errors
+from memfit.measuring.phases import (
     StepMemory,
     optimizer_state_bytes,
     phased_step,
 )
-from memfit.measure.profile import profile_from_memory
-from memfit.measure.repeated_blocks import fast_profiles, identical, outputs_keep_shape
-from memfit.measure.stepmodel import step_peak
+from memfit.measuring.profile import profile_from_memory
+from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
 from memfit.precision import Precision
-from memfit.records import BREAKDOWN_KEYS, CHECKPOINT_MODES, Estimate, EstimateEntry, Profile
+from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
+from memfit.stepmodel import simulate
+from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
 
 __all__ = ["estimate"]
-
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def _fake_precision(mode: str, device: torch.device) -> Precision:
@@ -171,11 +170,11 @@ def estimate(
             )
             for precision in run_precisions:
                 for mode in modes:
-                    peak, parts = step_peak(profiles[precision], mode)
+                    sim = simulate(profiles[precision], mode)
                     acts = profiles[precision].outside.saved_bytes[mode] + sum(
                         b.saved_bytes[mode] for b in profiles[precision].blocks
                     )
-                    entries.append(EstimateEntry(precision, mode, peak, parts, acts))
+                    entries.append(EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, acts))
         else:
             profiles = _direct(
                 model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device, entries

@@ -8,10 +8,10 @@ from conftest import tiny_gpt, token_batch
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
-from memfit.plan.planner import plan_from_profiles
-from memfit.plan.simulator import simulate
-from memfit.plan.solver import minimum_peak
+from memfit.planning.planner import plan_from_profiles
+from memfit.planning.solver import minimum_peak
 from memfit.records import BlockStats, Plan, Profile
+from memfit.stepmodel import simulate
 from memfit.train.gpt import gpt_loss
 
 
@@ -51,7 +51,7 @@ def _peak(prof: Profile, modes: str, micro: int = 1) -> int:
 def test_roomy_budget_keeps_everything() -> None:
     prof = _profile()
     plan = plan_from_profiles({"fp32": prof}, _peak(prof, "none"))
-    assert set(plan.blocks.values()) == {"keep"}
+    assert set(plan.blocks.values()) == {"none"}
     assert plan.micro_batches == 1 and plan.predicted_peak_bytes == _peak(prof, "none")
 
 
@@ -63,7 +63,7 @@ def test_tighter_budgets_checkpoint_more_and_cost_more() -> None:
     assert times == sorted(times) and times[0] < times[-1]
     for p in plans:
         assert p.predicted_peak_bytes <= p.budget_bytes
-    assert set(plans[0].blocks.values()) == {"keep"}
+    assert set(plans[0].blocks.values()) == {"none"}
     assert list(plans[-1].blocks.values()).count("full") >= 2
 
 
@@ -89,7 +89,7 @@ def test_precision_chosen_by_time_among_those_that_fit() -> None:
     # fp32 needs checkpointing at this budget, and the slow bf16 is still slower: fp32 + checkpointing.
     tight = _peak(fp32, "selective")
     chosen = plan_from_profiles({"fp32": fp32, "bf16": slow_bf16}, tight)
-    assert chosen.precision == "fp32" and set(chosen.blocks.values()) != {"keep"}
+    assert chosen.precision == "fp32" and set(chosen.blocks.values()) != {"none"}
     # Only bf16 fits without micro-batching.
     only_bf16 = _peak(slow_bf16, "full")
     assert only_bf16 < _peak(fp32, "full")
@@ -123,10 +123,10 @@ def test_apply_sets_modes_and_refuses_other_models() -> None:
     assert checkpointed_blocks(model) == {"blocks.0": "full"}
     memfit.apply(model, Plan(blocks={"blocks.1": "selective"}))
     assert checkpointed_blocks(model) == {"blocks.1": "selective"}
-    with pytest.raises(memfit.ConfigError, match=r"'layers\.0', 'blocks\.7'"):
+    with pytest.raises(memfit.errors.ConfigError, match=r"'layers\.0', 'blocks\.7'"):
         memfit.apply(model, Plan(blocks={"layers.0": "full", "blocks.7": "full", "blocks.0": "keep"}))
     assert checkpointed_blocks(model) == {"blocks.1": "selective"}  # nothing changed
-    with pytest.raises(memfit.ConfigError, match="keep, selective or full"):
+    with pytest.raises(memfit.errors.ConfigError, match="use one of none, selective, full"):
         memfit.apply(model, Plan(blocks={"blocks.0": "sometimes"}))
 
 
@@ -134,13 +134,13 @@ def test_apply_sets_modes_and_refuses_other_models() -> None:
 def test_bad_budgets_are_refused(budget: object) -> None:
     model = tiny_gpt(n_layer=2)
     prof = _profile()
-    with pytest.raises(memfit.ConfigError):
+    with pytest.raises(memfit.errors.ConfigError):
         memfit.plan(model, token_batch(2, 16), gpt_loss, budget, profiles={"fp32": prof}, precision="fp32")  # type: ignore[arg-type]
 
 
 def test_bad_precision_is_refused() -> None:
     model = tiny_gpt(n_layer=2)
-    with pytest.raises(memfit.UnsupportedPrecision):
+    with pytest.raises(memfit.errors.UnsupportedPrecision):
         memfit.plan(model, token_batch(2, 16), gpt_loss, "1GiB", precision=["fp32", "fp8"])
 
 
