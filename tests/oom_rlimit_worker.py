@@ -69,7 +69,8 @@ def main() -> None:
     assert a.memory is not None
     kept = a.memory.breakdown["params"] + a.memory.breakdown["optimizer"]
     transient = a.memory.peak_bytes - kept
-    limit = _address_space() + int(0.8 * transient)  # less than the first plan's step needs
+    start = _address_space()
+    limit = start + int(0.8 * transient)  # less than the first plan's step needs
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
     try:
@@ -90,6 +91,11 @@ def main() -> None:
     result = {
         "steps": [m.step for m in history],
         "replans": [(e.step, e.error, e.after) for e in a.replans],
+        "first_peak_bytes": history[FAIL_AT - 2].peak_bytes,
+        "failed_peak_bytes": [e.failed_peak_bytes for e in a.replans],
+        "budget_bytes": [e.budget_bytes for e in a.replans],
+        "second_peak_bytes": history[FAIL_AT - 1].peak_bytes,
+        "limit_above_start_bytes": limit - start,
         "first": first.blocks,
         "second": second.blocks,
         "losses": [m.loss for m in history],
