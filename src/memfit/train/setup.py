@@ -13,7 +13,7 @@ Example:
     >>> import tempfile
     >>> from memfit.config import load_config
     >>> cfg = load_config(None, ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
-    ...     "model.block_size=8", "data.max_bytes=20000", f"train.out='{tempfile.mkdtemp()}'"])
+    ...     "model.block_size=8", "train.device='cpu'", f"train.out='{tempfile.mkdtemp()}'"])
     >>> check_run(cfg, resume=None, overwrite=False).type
     'cpu'
 """

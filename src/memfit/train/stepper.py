@@ -101,8 +101,8 @@ class Stepper:
         self.step_count = 0
         self.memory: MemoryReport | None = None
         """The breakdown of the last tracked steady-state step."""
-        self._save_last_good = save_last_good or (lambda: Path("memfit-last-good.pt"))
-        self.guard = Guard(guard or GuardConfig(), save_state=self._save_last_good)
+        self._write_last_good = save_last_good
+        self.guard = Guard(guard or GuardConfig(), save_state=save_last_good)
         """The overflow guard; ``.guard.events`` lists what it saw and did."""
         self.oom = oom or OomConfig()
         self.replans: list[ReplanEvent] = []
@@ -216,12 +216,13 @@ class Stepper:
                 why = "profiling it for a new plan ran out of memory too"
         snapshot.restore()
         if new is None:
-            saved = self._save_last_good()
-            raise OutOfMemory(
-                f"{where} and {why}; the training state from before the step is in {saved}: resume from it "
-                "with a smaller memory budget.",
-                saved,
+            saved = self._write_last_good() if self._write_last_good is not None else None
+            kept = (
+                f"the training state from before the step is in {saved}: resume from it"
+                if saved
+                else ("nothing was saved (no save_last_good was given): save the model from here")
             )
+            raise OutOfMemory(f"{where} and {why}; {kept} with a smaller memory budget.", saved)
         before = describe_plan(self.plan, self.micro_batches)
         self.use_plan(new)
         event = ReplanEvent(self.step_count + 1, error, peak, budget, before, describe_plan(new), new)
