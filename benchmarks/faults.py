@@ -33,7 +33,8 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path) -> tuple[int, str, str]:
-    done = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    env = {**_env(), "TMPDIR": str(cwd)}  # NOTE: a rescue folder stays in the case's directory
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     if "Traceback" in done.stderr:
         raise SystemExit(f"TRACEBACK in {args}:\n{done.stderr[-3000:]}")
     return done.returncode, done.stdout, done.stderr.strip()

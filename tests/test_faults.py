@@ -140,9 +140,11 @@ def test_a_killed_save_leaves_no_temporary_file_behind(tmp_path: Path) -> None:
 
 
 def _fail_writes_from(monkeypatch: pytest.MonkeyPatch, directory: Path) -> None:
-    """A fault hook standing in for ``chmod 555 DIRECTORY`` (which does not stop root)."""
+    """A fault hook standing in for ``chmod 555 DIRECTORY`` (which does not stop root); the
+    rescue folder goes to the test's own temporary directory."""
     import tempfile
 
+    monkeypatch.setattr(tempfile, "tempdir", str(directory.parent))
     real = tempfile.mkstemp
 
     def mkstemp(*args: object, **kwargs: object) -> tuple[int, str]:
