@@ -14,6 +14,15 @@ from memfit.train.gpt import GPT, GPTConfig
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """State files are signed with a key in the test session's own folder, not the user's home."""
+    import os
+
+    if "MEMFIT_STATE_KEY" not in os.environ:
+        os.environ["MEMFIT_STATE_KEY"] = str(tmp_path_factory.mktemp("key") / "state.key")
+
+
 def tiny_gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16, dropout=dropout))

@@ -24,8 +24,8 @@ import difflib
 
 from torch import nn
 
-from memfit.checkpointing import set_block_modes, uncheckpoint
-from memfit.errors import ConfigError
+from memfit.checkpointing import find_blocks, set_block_modes, uncheckpoint
+from memfit.errors import ConfigError, MemfitError
 from memfit.records import Plan
 from memfit.segments import set_segments
 from memfit.vocab import PRECISIONS, normalize_modes
@@ -34,7 +34,8 @@ __all__ = ["apply", "check_plan_fits"]
 
 
 def check_plan_fits(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan that does not fit ``model``: unknown blocks, modes, precision or micro-batches.
+    """Refuse a plan that does not fit ``model``: unknown blocks, modes, precision or micro-batches,
+    or a planned plan that leaves out some of the model's blocks.
 
     Raises:
         ConfigError: one sentence naming what does not fit and what to do.
@@ -56,6 +57,21 @@ def check_plan_fits(model: nn.Module, plan: Plan) -> None:
         raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(PRECISIONS)}.")
     if plan.micro_batches < 1:
         raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
+    if plan.blocks and plan.predicted_peak_bytes > 0:
+        # NOTE: a plan the planner made (it has a prediction) covers every block it found; one
+        # that covers only some of this model's blocks was made for a smaller model and would
+        # leave the rest silently unplanned. A hand-written Plan may name only some blocks.
+        try:
+            blocks = find_blocks(model)
+        except MemfitError:
+            blocks = []
+        left_out = [b for b in blocks if b not in plan.blocks]
+        if left_out and set(plan.blocks) <= set(blocks):
+            raise ConfigError(
+                f"the plan covers {len(plan.blocks)} of the {len(blocks)} blocks of {type(model).__name__} "
+                f"(not {', '.join(repr(b) for b in left_out[:3])}); it was made for a different model: "
+                "run memfit plan again for this one."
+            )
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:

@@ -8,12 +8,12 @@ Example:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
+from memfit.outputs import check_output_file, write_text
 from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import text_table
@@ -21,7 +21,7 @@ from memfit.vocab import PRECISION_CHOICES
 
 HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
 
-__all__ = ["HELP", "add_arguments", "plan_table", "run"]
+__all__ = ["HELP", "add_arguments", "check", "plan_table", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,13 +66,21 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the model, plan it under the budget, print the plan and write plan.json."""
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config, budget, device or ``--out`` before the model is built."""
     cfg = config_from_args(args)
     budget_text = args.budget if args.budget is not None else cfg.memory.budget
     if not budget_text:
         raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
-    budget = Budget.parse(budget_text)  # a bad budget is refused before the model is built
+    Budget.parse(budget_text)
+    run_device(cfg)
+    check_output_file(args.out, "--out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, plan it under the budget, print the plan and write plan.json."""
+    cfg = config_from_args(args)
+    budget = Budget.parse(args.budget if args.budget is not None else cfg.memory.budget)
     precisions = args.precision or [cfg.memory.precision]
     choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
     device = run_device(cfg)
@@ -81,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
     result = plan(model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check)
-    Path(args.out).write_text(result.to_json() + "\n", encoding="utf-8")
+    try:
+        write_text(args.out, result.to_json() + "\n", "the plan")
+    except ConfigError as exc:
+        print(result.to_json())  # NOTE: the work is not lost: the plan goes to stdout
+        raise ConfigError(f"{str(exc).rstrip('.')}; the plan is printed above.") from None
     if args.json:
         print(result.to_json())
         return 0

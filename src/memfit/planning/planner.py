@@ -242,7 +242,9 @@ def plan(
         optimizer: the optimizer training will use (its state and step count).
         precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.
-        profiles: already-measured profiles per precision (skips profiling).
+        profiles: already-measured profiles per precision (skips profiling); a ``dict``
+            passed here also receives the profiles this call measures, so that a later
+            re-plan (after a step runs out of memory) need not profile again.
 
     Returns:
         A :class:`Plan`; ``memfit.apply(model, plan)`` applies it. ``plan.notes`` says what
@@ -271,6 +273,10 @@ def plan(
                 planner.measured.append("planned from the profiles given")
             else:
                 profs = planner.profiles()
+                if isinstance(profiles, dict):
+                    # NOTE: the caller's cache (a re-plan after running out of memory reuses it);
+                    # only profiles with every mode measured can serve a tighter budget later.
+                    profiles.update({p: pr for p, pr in profs.items() if _complete(pr)})
             result = plan_from_profiles(profs, planner.budget_bytes, *planner.baseline)
             if check:
                 result = planner.check(profs, result)
@@ -283,6 +289,11 @@ def plan(
         uncheckpoint(model)
         if before:
             set_block_modes(model, before)
+
+
+def _complete(profile: Profile) -> bool:
+    """Whether every block was measured in every checkpointing mode."""
+    return all(set(CHECKPOINT_MODES) <= set(b.saved_bytes) for b in profile.blocks)
 
 
 def _notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
