@@ -45,7 +45,7 @@ from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
-from memfit.measuring.preserve import preserved
+from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
 from memfit.measuring.tracker import device_of
@@ -57,20 +57,6 @@ from memfit.stepmodel import fill_times, forward_work, selective_work, simulate,
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["Profiler", "create_optimizer_state", "profile", "profile_from_memory"]
-
-
-def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Create the optimizer's state with one step on zero gradients (no forward needed).
-
-    It changes the weights and the state: call it inside :func:`memfit.measuring.preserve.preserved`.
-    """
-    if optimizer is None or optimizer.state:
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 class Profiler:

@@ -44,8 +44,8 @@ from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
 from memfit.errors import InfeasibleBudget
 from memfit.measuring.memory import MemoryWatch
-from memfit.measuring.preserve import preserved
-from memfit.measuring.profile import Profiler, create_optimizer_state
+from memfit.measuring.preserve import create_optimizer_state, preserved
+from memfit.measuring.profile import Profiler
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
@@ -95,6 +95,8 @@ class _Planner:
         self.measured: list[str] = []
         self.budget_bytes = 0
         self.baseline = (0, 0.0)
+        self.complete = False
+        """Measure every mode even where the budget needs none (a later re-plan may need them)."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = _fixed_bytes(self.model, self.optimizer)
@@ -143,7 +145,8 @@ class _Planner:
         for p in sorted(done, key=lambda q: done[q].step_seconds):
             if best is not None and best <= done[p].step_seconds * (1 - TIE):
                 continue
-            if simulate(done[p], "none").peak_bytes > self.budget_bytes and profilers[p].blocks:
+            tight = simulate(done[p], "none").peak_bytes > self.budget_bytes
+            if (tight or self.complete) and profilers[p].blocks:
                 profilers[p].modes([m for m in CHECKPOINT_MODES if m != "none"])
                 profilers[p].time_selective(_SELECTIVE_STEPS)
                 done[p] = profilers[p].result()
@@ -264,6 +267,7 @@ def plan(
         uncheckpoint(model)
         with preserved(model, optimizer):
             planner = _Planner(model, batch, loss_fn, optimizer, wanted, spec)
+            planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
             if profiles is not None and all(p in profiles for p in wanted):
                 profs = {p: profiles[p] for p in wanted}
                 base = profs.get("fp32", next(iter(profs.values())))
