@@ -45,15 +45,21 @@ from memfit.forward_layers import forward_layers, set_forward_layer
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
+    "LAYER_TAG",
     "checkpoint",
+    "checkpoint_contexts",
     "checkpointed_blocks",
     "find_blocks",
+    "hf_checkpointing_active",
     "refuse_double_checkpointing",
+    "selective_saves",
     "set_block_modes",
     "uncheckpoint",
 ]
 
 _TAG = "checkpoint"
+#: The forward layer (:mod:`memfit.forward_layers`) that checkpointing, segments included, installs.
+LAYER_TAG = _TAG
 
 _aten = torch.ops.aten
 # NOTE: selective checkpointing keeps the outputs of the ops whose recompute is expensive
@@ -76,9 +82,13 @@ if hasattr(_aten, "_scaled_mm"):
     _SAVE_OPS.add(_aten._scaled_mm)
 
 
+def selective_saves(func: Any) -> bool:
+    """Whether selective checkpointing keeps the output of ``func`` (an aten op or op packet)."""
+    return getattr(func, "overloadpacket", func) in _SAVE_OPS
+
+
 def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    packet = getattr(func, "overloadpacket", func)
-    return CheckpointPolicy.MUST_SAVE if packet in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if selective_saves(func) else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _is_stage(module: nn.Module) -> bool:
@@ -215,6 +225,12 @@ def _contexts(module: nn.Module, mode: str) -> tuple[Any, Any]:
     return fwd, _keep_running_stats(module, rec)
 
 
+def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
+    """The (forward, recompute) contexts of memfit's checkpoint of ``module``: selective's
+    policy for ``selective``, BatchNorm running statistics kept through the recompute."""
+    return _contexts(module, mode)
+
+
 def _checkpointed_forward(
     inner: Callable[..., Any], module: nn.Module, mode: str, *args: Any, **kwargs: Any
 ) -> Any:
@@ -232,14 +248,24 @@ def _checkpointed_forward(
     )
 
 
+def hf_checkpointing_active(model: nn.Module) -> bool:
+    """Whether Hugging Face's ``gradient_checkpointing_enable()`` is on for ``model``.
+
+    # NOTE: here, not in memfit.integrations.hf, so that checkpointing imports nothing above it.
+    """
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(type(model), attr, None)
+        if isinstance(value, property):
+            return bool(getattr(model, attr))
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 def refuse_double_checkpointing(model: nn.Module) -> None:
     """Raise if Hugging Face's own checkpointing is on: memfit does not checkpoint twice.
 
     Raises:
         ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``.
     """
-    from memfit.integrations.hf import hf_checkpointing_active
-
     if hf_checkpointing_active(model):
         raise ConfigError(
             "Hugging Face gradient checkpointing is on for this model (gradient_checkpointing_enable()), "

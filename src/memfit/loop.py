@@ -40,6 +40,7 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
 from memfit.precision import Precision
 from memfit.records import Plan
+from memfit.segments import applied_segments
 from memfit.step import Batch, LossFn, StepResult, training_step
 from memfit.train.distributed import unwrap
 from memfit.vocab import normalize_modes
@@ -79,8 +80,8 @@ def prepare(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` run ``plan``; returns them (use what it returns).
 
-    Applies the plan's per-block checkpointing (unless the model is already checkpointed
-    exactly so, e.g. by :func:`memfit.apply` before a DDP or FSDP2 wrapper) and sets up the
+    Applies the plan's per-block checkpointing and segments (unless the model is already
+    checkpointed exactly so, e.g. by :func:`memfit.apply` before a DDP or FSDP2 wrapper) and sets up the
     plan's precision for :func:`train_step`. Calling it again with another plan replaces
     the first.
 
@@ -100,7 +101,8 @@ def prepare(
     """
     inner = unwrap(model)
     check_plan_fits(inner, plan)
-    if checkpointed_blocks(inner) != _planned_modes(plan):
+    segments = [list(seg) for seg in plan.segments]
+    if checkpointed_blocks(inner) != _planned_modes(plan) or applied_segments(inner) != segments:
         apply(inner, plan)
     if precision is None:
         precision = Precision(plan.precision, device=_device(model))

@@ -22,13 +22,15 @@ Example (inside ``torchrun``, after :func:`memfit.train.distributed.init_distrib
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit.budget import Budget
+from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
@@ -39,7 +41,7 @@ from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
 from memfit.train.distributed import DistContext, local_batch, unwrap
 
-__all__ = ["gather_ranks", "plan_for_ranks"]
+__all__ = ["gather_ranks", "plan_for_ranks", "rank_notes"]
 
 
 def _plan_rank(
@@ -141,3 +143,17 @@ def gather_ranks(
     rows: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(rows, mine)
     return rows
+
+
+def rank_notes(trainer: Any, ctx: DistContext, out: Path, budget: int | None) -> list[str]:
+    """Under torchrun (every rank calls it): each rank's checkpointing, precision and peak,
+    written by rank 0 to ``out/ranks.json``; returns the report's note."""
+    if not ctx.active:
+        return []
+    peak = trainer.memory.peak_bytes if trainer.memory else None
+    rows = gather_ranks(trainer.model, trainer.precision.mode, trainer.micro_batches, peak, ctx)
+    if ctx.is_main:
+        (out / "ranks.json").write_text(json.dumps({"budget_bytes": budget, "ranks": rows}, indent=2) + "\n")
+    same = all(r["blocks"] == rows[0]["blocks"] and r["precision"] == rows[0]["precision"] for r in rows)
+    peaks = ", ".join(f"rank {r['rank']} {format_bytes(r['peak_bytes'] or 0)}" for r in rows)
+    return [f"per-rank peaks: {peaks}; every rank ran {'the same' if same else 'a DIFFERENT'} plan"]
