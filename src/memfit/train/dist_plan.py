@@ -37,6 +37,7 @@ from memfit.measuring.profile import profile
 from memfit.planning.planner import candidate_precisions, plan_from_profiles
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
+from memfit.segments import applied_segments
 from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
 from memfit.train.distributed import DistContext, local_batch, unwrap
@@ -126,7 +127,8 @@ def plan_for_ranks(
 def gather_ranks(
     model: nn.Module, precision: str, micro_batches: int, peak_bytes: int | None, ctx: DistContext
 ) -> list[dict[str, Any]]:
-    """Every rank's applied checkpointing, precision, micro-batches and measured peak (all ranks call it).
+    """Every rank's applied checkpointing and segments, precision, micro-batches and measured
+    peak (all ranks call it).
 
     Returns:
         One dict per rank, in rank order (on every rank).
@@ -134,6 +136,7 @@ def gather_ranks(
     mine = {
         "rank": ctx.rank,
         "blocks": checkpointed_blocks(unwrap(model)),
+        "segments": applied_segments(unwrap(model)),
         "precision": precision,
         "micro_batches": micro_batches,
         "peak_bytes": peak_bytes,
@@ -154,6 +157,7 @@ def rank_notes(trainer: Any, ctx: DistContext, out: Path, budget: int | None) ->
     rows = gather_ranks(trainer.model, trainer.precision.mode, trainer.micro_batches, peak, ctx)
     if ctx.is_main:
         (out / "ranks.json").write_text(json.dumps({"budget_bytes": budget, "ranks": rows}, indent=2) + "\n")
-    same = all(r["blocks"] == rows[0]["blocks"] and r["precision"] == rows[0]["precision"] for r in rows)
+    keys = ("blocks", "segments", "precision", "micro_batches")
+    same = all(all(r[k] == rows[0][k] for k in keys) for r in rows)
     peaks = ", ".join(f"rank {r['rank']} {format_bytes(r['peak_bytes'] or 0)}" for r in rows)
     return [f"per-rank peaks: {peaks}; every rank ran {'the same' if same else 'a DIFFERENT'} plan"]
