@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit._third_party import hf_checkpointing_active
+from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
 
 __all__ = [
@@ -174,15 +176,6 @@ def _takes_cache(model: nn.Module) -> bool:
     return bool(config is not None and not _is_encoder(config))
 
 
-def hf_checkpointing_active(model: nn.Module) -> bool:
-    """Whether Hugging Face's ``gradient_checkpointing_enable()`` is on for ``model``."""
-    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        value = getattr(type(model), attr, None)
-        if isinstance(value, property):
-            return bool(getattr(model, attr))
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
 def checkpointing_owner(model: nn.Module) -> str:
     """Who checkpoints ``model`` now: ``"memfit"``, ``"huggingface"`` or ``"none"``.
 
@@ -190,8 +183,6 @@ def checkpointing_owner(model: nn.Module) -> str:
         >>> checkpointing_owner(nn.Linear(2, 2))
         'none'
     """
-    from memfit.checkpointing import checkpointed_blocks
-
     if hf_checkpointing_active(model):
         return "huggingface"
     return "memfit" if checkpointed_blocks(model) else "none"
