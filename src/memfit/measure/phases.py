@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 
-from memfit.measure.memory import _device_of, _parts
+from memfit.measure.memory import FastMemTracker, _device_of, _parts, ignore_frozen_parameters
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, training_step
 
@@ -88,7 +88,11 @@ class StepMemory:
     outside_forward_peak: int = 0
     """Highest (total - start - bytes kept by blocks whose forward finished) outside blocks in forward."""
     outside_backward_peak: int = 0
-    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside blocks."""
+    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside
+    blocks in backward, before every block's backward is done (loss, head)."""
+    outside_after_blocks_peak: int = 0
+    """Highest (total - start - every block's grads) once every block's backward is done: the
+    backward of the part before the blocks (stem, embeddings)."""
     early_grads: int = 0
     """Gradient bytes that exist when the first block's backward (the last block) starts."""
     saved: dict[str, int] = field(default_factory=dict)
@@ -116,7 +120,7 @@ def grad_bytes_of(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
 
 
-class _PhaseTracker(MemTracker):
+class _PhaseTracker(FastMemTracker):
     """MemTracker with phase peaks, outside-of-block peaks and a faster peak update."""
 
     def __init__(self, device: torch.device, blocks: dict[int, str], grads: dict[str, int]) -> None:
@@ -126,13 +130,12 @@ class _PhaseTracker(MemTracker):
         self.phase_peak: dict[str, int] = {}
         self.phase_snap: dict[str, dict[Any, int]] = {}
         self.kept = 0
-        self.outside_peak: dict[str, int] = {"forward": 0, "backward": 0}
+        self.outside_peak: dict[str, int] = {"forward": 0, "backward": 0, "after blocks": 0}
         self._blocks = blocks  # id(module) -> block name
         self._grads = grads  # block name -> grad bytes
         self._block_fqns: set[str] = set()
         self._saved: dict[str, int] = {}
         self._start = 0
-        self._stats: dict[str, Any] = {}
         self._fqn_names: dict[str, str] = {}
         self._owner: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._blocks_done = 0
@@ -160,7 +163,6 @@ class _PhaseTracker(MemTracker):
     def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
         super()._pre_fw_hook(module, inputs)
         stats = self.memory_tracking[module]
-        self._stats[stats.mod_fqn] = stats
         if id(module) in self._blocks:
             self._block_fqns.add(stats.mod_fqn)
             self._fqn_names[stats.mod_fqn] = self._blocks[id(module)]
@@ -211,29 +213,20 @@ class _PhaseTracker(MemTracker):
             self.kept += self._grads[name] - self._saved.pop(name)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # NOTE: same updates as MemTracker._update_peak_stats, but only for the modules
-        # that are running now (looked up by name) instead of every module ever seen.
+        super()._update_peak_stats(peak_state)
         curr = self._curr_mem_snap
         parents = self._mod_tracker.parents
-        for fqn in parents:
-            stats = self._stats.get(fqn)
-            if stats is None or peak_state not in stats.snapshots:
-                continue
-            for dev, dev_snap in curr.items():
-                if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                    stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
-        for dev, dev_snap in curr.items():
-            if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
         total = self.total()
         phase = self.phase
         if phase in self.phase_peak and total > self.phase_peak[phase]:
             self.phase_peak[phase] = total
             self.phase_snap[phase] = copy.deepcopy(curr.get(self.device, {}))
         if phase in self.outside_peak and not (self._block_fqns & parents):
-            self.outside_peak[phase] = max(self.outside_peak[phase], total - self.kept)
+            # NOTE: once every block's backward is done, what runs is the backward of the part
+            # before the blocks (stem, embeddings), with every block's gradient held: its own event.
+            after = phase == "backward" and self._blocks_done > 0 and not self._saved
+            bucket = "after blocks" if after else phase
+            self.outside_peak[bucket] = max(self.outside_peak[bucket], total - self.kept)
 
 
 def _tot(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:
@@ -288,6 +281,7 @@ def phased_step(
     grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
     tracker = _PhaseTracker(device, modules, grads)
     tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
+    ignore_frozen_parameters(tracker, model)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
@@ -328,6 +322,7 @@ def phased_step(
         blocks=block_mem,
         outside_forward_peak=max(0, tracker.outside_peak["forward"]),
         outside_backward_peak=max(0, tracker.outside_peak["backward"]),
+        outside_after_blocks_peak=max(0, tracker.outside_peak["after blocks"]),
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
         saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
         outside_before_kept=marks.get("forward_end", start)
