@@ -199,6 +199,7 @@ class Profile(Record):
     - forward outside: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
     - backward of block i: ``fixed + G(i) + outside_before_kept_bytes + S(i) + backward_peak_bytes[m_i]``
     - backward outside: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
+    - backward before the blocks: ``fixed + G(-1) + outside_before_backward_bytes``
     - optimizer step: ``fixed + grad_bytes + optimizer_temp_bytes``
 
     :func:`memfit.measure.stepmodel.step_peak` implements this.
@@ -238,6 +239,10 @@ class Profile(Record):
     early_grad_bytes: int = 0
     """Parameter gradients that exist when the last block's backward starts (final norm,
     head); tied weights accumulate later."""
+    outside_before_backward_bytes: int = 0
+    """Highest bytes above ``fixed``, ``early_grad_bytes`` and every block's gradients while
+    the part before the blocks (stem, embeddings) runs its backward, after every block's
+    backward: what it kept, the gradients it creates and its transients."""
     activation_bytes: int = 0
     """Activation total at the end of the forward with no checkpointing (blocks + outside)."""
     notes: list[str] = field(default_factory=list)

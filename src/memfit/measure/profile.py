@@ -178,6 +178,9 @@ def profile_from_memory(
         outside_before_bytes=first,
         outside_before_kept_bytes=base.outside_before_kept,
         early_grad_bytes=base.early_grads,
+        outside_before_backward_bytes=max(
+            max(0, memory[m].outside_after_blocks_peak - memory[m].early_grads) for m in modes
+        ),
         activation_bytes=base.forward_end - base.start,
     )
 

@@ -67,6 +67,8 @@ def step_peak(prof: Profile, modes: str | Mapping[str, str]) -> tuple[int, dict[
         fw_kept += h
         bw_kept += s
         cands.append({"grads": later, "activations": bw_kept, "temporaries": b.backward_peak_bytes[m]})
+    all_grads = prof.early_grad_bytes + sum(b.grad_bytes for b in prof.blocks)
+    cands.append({"grads": all_grads, "activations": 0, "temporaries": prof.outside_before_backward_bytes})
     best = max(cands, key=lambda c: sum(c.values()))
     parts = {"params": prof.param_bytes, "optimizer": prof.optimizer_bytes, **best}
     return sum(parts.values()), {k: int(parts[k]) for k in BREAKDOWN_KEYS}
