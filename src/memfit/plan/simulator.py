@@ -200,6 +200,12 @@ def events(profile: Profile, micro_batches: int = 1) -> list[Event]:
             result.append(Event(f"{prefix}backward of {block.name}", fixed + grads + kept_before, coef))
             if not later:
                 grads += _block_grad_bytes(block)
+        # NOTE: then the part before the blocks (stem, embeddings) runs its backward, with every
+        # block's gradient held; in a later micro-batch its gradients already exist.
+        created = max(0, profile.grad_bytes - early - sum(_block_grad_bytes(b) for b in profile.blocks))
+        before_bwd = profile.outside_before_backward_bytes
+        stem = _scaled(max(0, before_bwd - created), s) if later else _scaled(before_bwd, s, created)
+        result.append(Event(f"{prefix}backward outside the blocks (stem, embeddings)", fixed + grads + stem))
     result.append(Event("optimizer step", fixed + profile.grad_bytes + profile.optimizer_temp_bytes))
     return result
 
