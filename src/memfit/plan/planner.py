@@ -84,18 +84,27 @@ def _explain(best: tuple[str, int, Solution], profiles: Mapping[str, Profile], b
     prof = profiles[precision]
     sim = simulate(prof, sol.modes, micro)
     opt = prof.optimizer if prof.optimizer not in ("", "none") else "optimizer"
-    fixed = sim.fixed_bytes
-    if fixed >= budget:
+    # NOTE: "alone" means what every step holds whatever the plan: the optimizer step's
+    # temporaries are not held all step (a foreach or fused step changes them), so they are
+    # named apart.
+    state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
+    if state >= budget:
         return (
-            f"parameters + gradients + {opt} state alone take {format_bytes(fixed)}; budget "
+            f"parameters + gradients + {opt} state alone take {format_bytes(state)}; budget "
             f"{format_bytes(budget)}: use a smaller model, an optimizer with less state, or more memory."
+        )
+    if state + prof.optimizer_temp_bytes >= budget:
+        return (
+            f"parameters + gradients + {opt} state take {format_bytes(state)} and the optimizer step "
+            f"{format_bytes(prof.optimizer_temp_bytes)} more while it runs; budget {format_bytes(budget)}: "
+            "use an optimizer with less state (or a fused or for-loop step), or more memory."
         )
     return (
         f"even at {precision} with every block at its smallest mode and {micro} micro-batch(es), the step "
         f"peaks at {format_bytes(sim.peak_bytes)} during the {sim.peak_event} (parameters + gradients + "
-        f"{opt} state {format_bytes(fixed)}, activations and temporaries "
-        f"{format_bytes(sim.peak_bytes - fixed)}); budget {format_bytes(budget)}: raise the budget or "
-        "shrink the model or sequence."
+        f"{opt} state {format_bytes(state)}, activations and temporaries "
+        f"{format_bytes(sim.peak_bytes - state)}); budget {format_bytes(budget)}: "
+        "raise the budget or shrink the model or sequence."
     )
 
 
@@ -128,6 +137,11 @@ def plan_from_profiles(
             sol = solve(prof, budget_bytes, micro)
             if sol is not None:
                 found.append((predict_step_seconds(prof, sol.modes, micro), precision, sol))
+            if micro == 1 and precision == "fp32" and 0 < baseline_peak_bytes <= budget_bytes:
+                # NOTE: keeping every block was measured (the baseline) and fits, even where
+                # the simulator, adding up per-block numbers, predicts a little more.
+                keep = Solution(["none"] * len(prof.blocks), baseline_peak_bytes, 0.0)
+                found.append((predict_step_seconds(prof, keep.modes, 1), precision, keep))
         if found:
             seconds, precision, sol = min(found, key=lambda f: f[0])
             return Plan(
@@ -140,13 +154,18 @@ def plan_from_profiles(
                 baseline_step_seconds=baseline_step_seconds,
                 budget_bytes=budget_bytes,
             )
-    micro = _divisors(batch)[-1]
+    # NOTE: the smallest peak of every plan considered (each precision, each micro-batch
+    # count) and of keeping every block, which was measured: never above any of them.
     smallest = min(
-        ((p, micro, minimum_peak(prof, micro)) for p, prof in profiles.items()), key=lambda t: t[2].peak_bytes
+        ((p, micro, minimum_peak(prof, micro)) for p, prof in profiles.items() for micro in _divisors(batch)),
+        key=lambda t: (t[2].peak_bytes, t[1]),
     )
+    minimum = smallest[2].peak_bytes
+    if baseline_peak_bytes > 0:
+        minimum = min(minimum, baseline_peak_bytes)
     raise InfeasibleBudget(
         f"no plan fits the budget: {_explain(smallest, profiles, budget_bytes)}",
-        minimum_bytes=smallest[2].peak_bytes,
+        minimum_bytes=minimum,
         budget_bytes=budget_bytes,
     )
 

@@ -30,9 +30,9 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from memfit.plan.simulator import block_options, block_seconds, events, simulate
-from memfit.records import Profile
+from memfit.records import BlockStats, Profile
 
-__all__ = ["Solution", "minimum_peak", "solve"]
+__all__ = ["Solution", "minimum_peak", "solve", "useful_modes"]
 
 
 @dataclass
@@ -47,8 +47,31 @@ class Solution:
     """Sum of the chosen modes' block times: the objective."""
 
 
+def _costs(block: BlockStats, mode: str) -> tuple[int, ...]:
+    """What a block adds to each kind of event in ``mode``: held, forward, saved, own backward."""
+    saved = block.saved_bytes[mode]
+    held = block.held_bytes.get(mode, saved)
+    return held, block.forward_peak_bytes.get(mode, saved), saved, saved + block.backward_peak_bytes[mode]
+
+
+def useful_modes(block: BlockStats) -> list[str]:
+    """The block's modes less those that hold at least as much as keeping it at every moment.
+
+    # NOTE: such a mode is slower than keeping the block and never lowers any event of the
+    # step, so no plan should choose it (a block whose input is not otherwise kept, or whose
+    # recompute peak is high, can be one).
+    """
+    options = block_options(block)
+    if "none" not in options:
+        return options
+    keep = _costs(block, "none")
+    return [
+        m for m in options if m == "none" or any(c < k for c, k in zip(_costs(block, m), keep, strict=True))
+    ]
+
+
 def _variables(profile: Profile) -> list[tuple[int, str]]:
-    return [(i, m) for i, b in enumerate(profile.blocks) for m in block_options(b)]
+    return [(i, m) for i, b in enumerate(profile.blocks) for m in useful_modes(b)]
 
 
 def _program(
@@ -70,7 +93,8 @@ def _program(
     for r, ev in enumerate(evs):
         for i, per_mode in ev.coef.items():
             for m, b in per_mode.items():
-                rows[r, index[(i, m)]] = b / scale
+                if (i, m) in index:
+                    rows[r, index[(i, m)]] = b / scale
         rhs[r] = (budget - ev.const) / scale
         if not ev.coef:
             slack_min = min(slack_min, rhs[r])
@@ -151,7 +175,8 @@ def minimum_peak(profile: Profile, micro_batches: int = 1) -> Solution:
     for r, ev in enumerate(evs):
         for i, per_mode in ev.coef.items():
             for m, b in per_mode.items():
-                rows[r, index[(i, m)]] = b / scale
+                if (i, m) in index:
+                    rows[r, index[(i, m)]] = b / scale
         rows[r, -1] = -1.0
         rhs[r] = -ev.const / scale
     choose = np.zeros((len(profile.blocks), len(var) + 1))
