@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,7 +45,7 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SAVE_OPS", "run_checkpointed"]
+__all__ = ["SAVE_OPS", "copies_made", "run_checkpointed"]
 
 _aten = torch.ops.aten
 # NOTE: selective checkpointing keeps the outputs of the ops whose recompute is expensive
@@ -70,6 +71,24 @@ if hasattr(_aten, "_scaled_mm"):
 _IGNORED: frozenset[Any] = frozenset(getattr(_ckpt, "SAC_IGNORED_OPS", {_aten.detach.default}))
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 _Key = tuple[Any, int]
+#: What checkpointed calls of each block had to copy for their recompute (see copies_made).
+_COPIES: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDictionary()
+
+
+def copies_made(module: nn.Module, clear: bool = False) -> set[str]:
+    """What checkpointed calls of ``module`` copied because an in-place op wrote to it.
+
+    ``{"its input"}`` and/or ``{"the output of convolution that selective keeps"}``-style
+    phrases; empty when the block never wrote to what its recompute needs.
+
+    Example:
+        >>> copies_made(nn.Linear(2, 2))
+        set()
+    """
+    found = set(_COPIES.get(module, ()))
+    if clear:
+        _COPIES.pop(module, None)
+    return found
 
 
 def _saves(func: Any) -> bool:
@@ -168,11 +187,15 @@ class _BlockCall:
             for i in self.inputs.pop(st, ()):
                 self.copied[i] = self.leaves[i].requires_grad
                 self.leaves[i] = self.leaves[i].clone()
+                _COPIES.setdefault(self.module, set()).add("its input")
             for key in self.kept_at.pop(st, ()):
                 if key not in self.cow:
                     self.cow[key] = tree_map(
                         lambda x: x.clone() if isinstance(x, torch.Tensor) else x, self.kept[key]
                     )
+                    op = getattr(key[0], "overloadpacket", key[0])
+                    what = f"the output of {getattr(op, '__name__', op)} that selective checkpointing keeps"
+                    _COPIES.setdefault(self.module, set()).add(what)
 
     def keep(self, key: _Key, out: Any) -> None:
         """Selective checkpointing keeps ``out``: watch its storage for in-place writes."""
@@ -280,7 +303,9 @@ def run_checkpointed(
         # context_fn: PyTorch enters the first context around the forward and the second
         # around the recompute (with the forward's RNG and autocast state restored).
         if call.selective:
-            sac[:] = _ckpt.create_selective_checkpoint_contexts(_selective_policy, allow_cache_entry_mutation=True)
+            sac[:] = _ckpt.create_selective_checkpoint_contexts(
+                _selective_policy, allow_cache_entry_mutation=True
+            )
         return _forward(call, sac), _recompute(call, sac)
 
     device = next((t.device for t in _tensors((args, kwargs))), None)
@@ -298,7 +323,7 @@ def _forward(call: _BlockCall, sac: list[Any]) -> Iterator[None]:
     # NOTE: modes stack; the one entered last sees each op first. The watch is entered before
     # SAC's caching mode, so it sees exactly the ops SAC passes down, counts them in the same
     # order, and SAC never sees (nor counts) the copies the watch makes.
-    with _Watch(call), (sac[0] if sac else contextlib.nullcontext()):
+    with _Watch(call), sac[0] if sac else contextlib.nullcontext():
         yield
     call.after_forward()
 

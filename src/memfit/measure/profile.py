@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit._recompute import copies_made
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.measure.batchcheck import checked_step, tensor_bytes
 from memfit.measure.memory import _device_of, measure
@@ -42,7 +43,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import CHECKPOINT_MODES, BlockStats, Profile
 from memfit.step import Batch, LossFn, batch_size, training_step
 
-__all__ = ["profile", "profile_from_memory"]
+__all__ = ["inplace_notes", "inplace_parts", "profile", "profile_from_memory"]
 
 
 def _param_bytes(module: nn.Module) -> int:
@@ -234,6 +235,7 @@ def profile(
     original = checkpointed_blocks(model)
     scaler_state = prec.scaler.state_dict()
     memory: dict[str, StepMemory] = {}
+    copied: dict[str, dict[str, set[str]]] = {}
     totals: dict[str, dict[str, int]] = {}
     modes = CHECKPOINT_MODES if blocks else ("none",)
     try:
@@ -246,7 +248,10 @@ def profile(
             for mode in modes:
                 if blocks:
                     set_block_modes(model, {b: mode for b in blocks})
+                for b in blocks:
+                    copies_made(model.get_submodule(b), clear=True)
                 memory[mode] = phased_step(model, batch, loss_fn, optimizer, prec, blocks)
+                copied[mode] = {b: copies_made(model.get_submodule(b)) for b in blocks}
                 totals[mode] = _flops(model, batch, loss_fn, prec, grad=True)
             times = _mode_times(model, batch, loss_fn, prec, blocks, modes, repeats)
             uncheckpoint(model)
@@ -290,8 +295,46 @@ def profile(
     prof.input_bytes = tensor_bytes(batch)
     prof.measured_peak_bytes = base.peak_bytes
     prof.step_seconds = base.step_seconds
-    prof.notes = notes + _flop_notes(device)
+    prof.notes = notes + inplace_notes(copied) + _flop_notes(device)
     return prof
+
+
+_INPLACE = ": an in-place op"
+
+
+def inplace_notes(copied: dict[str, dict[str, set[str]]]) -> list[str]:
+    """One note per kind of in-place write the checkpointed blocks made, naming the blocks.
+
+    Each note reads ``"<block>, <block>: an in-place op ...; under <mode> or <mode>
+    checkpointing memfit copies ..."``; :func:`inplace_parts` reads the names back.
+
+    Example:
+        >>> inplace_notes({"full": {"b0": {"its input"}, "b1": set()}})[0][:50]
+        'b0: an in-place op in the forward writes into its '
+    """
+    by_kind: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+    for mode in copied:
+        kinds: dict[str, list[str]] = {}
+        for name, whats in copied[mode].items():
+            for what in whats:
+                kinds.setdefault(what, []).append(name)
+        for what, names in kinds.items():
+            by_kind.setdefault((what, tuple(names)), []).append(mode)
+    return [
+        f"{', '.join(names)}{_INPLACE} in the forward writes into {what}; under {' or '.join(modes)} "
+        "checkpointing memfit copies it just before the write, so the recompute is exact (the copy is "
+        "counted in the profile)."
+        for (what, names), modes in sorted(by_kind.items())
+    ]
+
+
+def inplace_parts(note: str) -> tuple[list[str], list[str]]:
+    """The blocks and modes an :func:`inplace_notes` note names (empty for any other note)."""
+    head, sep, rest = note.partition(_INPLACE)
+    if not sep:
+        return [], []
+    modes = rest.partition("; under ")[2].partition(" checkpointing")[0]
+    return head.split(", "), modes.split(" or ")
 
 
 def _flop_notes(device: torch.device) -> list[str]:
