@@ -230,7 +230,7 @@ def plan(
         if check:
             result = _checked(model, batch, loss_fn, optimizer, profs, result)
         result.budget_bytes = budget_bytes
-        result.notes = _notes(model, result)
+        result.notes = _notes(model, result) + _copy_notes(profs[result.precision], result)
         return result
     finally:
         uncheckpoint(model)
@@ -247,6 +247,17 @@ def _notes(model: nn.Module, result: Plan) -> list[str]:
             f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
         )
     return notes
+
+
+def _copy_notes(prof: Profile, result: Plan) -> list[str]:
+    """The profile's notes on in-place writes that concern a block the plan checkpoints."""
+    from memfit.measure.profile import inplace_parts
+
+    def concerns(note: str) -> bool:
+        blocks, modes = inplace_parts(note)
+        return any(result.blocks.get(b) in modes for b in blocks)
+
+    return [n for n in prof.notes if concerns(n)]
 
 
 def _checked(
