@@ -37,7 +37,9 @@ def is_hf_cache(obj: Any) -> bool:
     return _from_transformers(type(obj), "Cache")
 
 
-def without_caches(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+def without_caches(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
     """A block call's arguments with its caches turned off, and the names of what was changed.
 
     # NOTE: a Hugging Face decoder block appends this step's keys and values to the cache it

@@ -265,7 +265,9 @@ def resolve_blocks(model: nn.Module, blocks: str | Sequence[str]) -> list[str]:
         if b and b in modules:
             out.append(b)
         elif b in classes:
-            out.extend(n for n, _ in _instances(model, {type(m) for m in modules.values() if type(m).__name__ == b}))
+            out.extend(
+                n for n, _ in _instances(model, {type(m) for m in modules.values() if type(m).__name__ == b})
+            )
         else:
             missing.append(b)
     if missing:

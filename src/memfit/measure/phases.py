@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, _MemRefType, _ModState
 
 from memfit.measure.memory import FastMemTracker, _device_of, _parts, ignore_frozen_parameters
 from memfit.precision import Precision
