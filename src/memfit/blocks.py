@@ -17,12 +17,14 @@ How :func:`find_blocks` decides:
    parameterised modules they hold): blocks are built from layers, so runs of multi-level
    modules win over runs of single layers (a stem of two conv-norm-act layers), which win
    over runs of bare layers (``Linear``, ``Linear``).
-3. A candidate whose own sequence is mostly (by parameters) other candidates is a stage,
+3. A candidate whose own sequence is mostly (by parameters, bare layers such as embeddings
+   and norms left out) other candidates is a stage,
    not a block: its children are the blocks (stages, encoder and decoder stacks). A block
    with a run of smaller candidates inside (MaxViT: a conv block, then window and grid
    attention) is told apart by holding the same number of them in every instance.
-4. A candidate found only inside another candidate is a part of a block (an attention
-   module's projections, a mixture of experts' experts), not a block.
+4. A candidate found mostly inside another candidate is a part of a block (an attention
+   module's projections, a mixture of experts' experts, timm FastViT's conv units that its
+   stem also uses), not a block.
 5. The blocks are the outermost modules of the remaining kinds, anywhere in the model, in
    module order: a stage with a single block still contributes it, and both stacks of an
    encoder-decoder contribute theirs. A stage (generic container) beside other stages of
@@ -134,20 +136,21 @@ def _kind_key(m: nn.Module) -> Any:
     return type(m)
 
 
-def _candidates(tree: _Tree) -> dict[Any, list[nn.Module]]:
-    """Kinds that form runs, in the highest tier of height (blocks > layers > bare layers)."""
+def _candidates(tree: _Tree) -> tuple[set[Any], set[Any]]:
+    """Kinds that form runs: those of the highest tier of height (blocks > layers > bare
+    layers), and those of the lower tiers."""
     found: dict[Any, list[nn.Module]] = {}
     for items in tree.sequences():
         for run in _runs(items):
             found.setdefault(_kind_key(run[0]), []).extend(run)
     if not found:
-        return {}
+        return set(), set()
 
     def tier(k: Any) -> int:
         return min(2, max(tree.height[id(m)] for m in found[k]))
 
     top = max(tier(k) for k in found)
-    return {k: v for k, v in found.items() if tier(k) == top}
+    return {k for k in found if tier(k) == top}, {k for k in found if tier(k) < top}
 
 
 def _instances(model: nn.Module, kinds: set[Any]) -> list[tuple[str, nn.Module]]:
@@ -159,34 +162,51 @@ def _instances(model: nn.Module, kinds: set[Any]) -> list[tuple[str, nn.Module]]
     return out
 
 
-def _is_stage(tree: _Tree, kind: Any, kinds: set[Any]) -> bool:
-    """Whether the modules of ``kind`` are stages: their sequences are mostly other candidates.
+def _inside(tree: _Tree, kind: Any, outer: set[Any]) -> tuple[int, int]:
+    """How many modules of ``kind`` sit inside a module of the ``outer`` kinds, of how many."""
+    prefixes = [n + "." for n, _ in _instances(tree.model, outer)]
+    names = [n for n, _ in _instances(tree.model, {kind})]
+    return sum(any(n.startswith(p) for p in prefixes) for n in names), len(names)
 
-    # NOTE: "mostly" is clear when the other candidates hold 90% of the parameters (a stage
-    # of blocks after a small down-sampling layer). A block can also hold a run of smaller
-    # candidates (MaxViT: a conv block, then window and grid attention), up to ~85% of it; it
-    # differs from a stage by holding the same number of them everywhere, while stages hold
-    # as many blocks as their depth, which differs from stage to stage.
-    """
-    shares, counts = [], set()
+
+def _stage_shape(tree: _Tree, kind: Any, inner_kinds: set[Any]) -> tuple[float, bool]:
+    """The largest share of a ``kind`` module's content held by ``inner_kinds`` modules, and
+    whether their number differs from one ``kind`` module to another."""
+    shares, counts = [0.0], set()
     for _, m in _instances(tree.model, {kind}):
-        inner = [c for c in tree.sequence(m) if _kind_key(c) in kinds - {kind}]
-        shares.append(sum(tree.params[id(c)] for c in inner) / max(1, tree.params[id(m)]))
+        # Bare layers (embeddings, norms, a down-sampling conv) are glue, not content.
+        parts = [c for c in tree.sequence(m) if tree.height[id(c)] > 0]
+        inner = [c for c in parts if _kind_key(c) in inner_kinds]
+        shares.append(sum(tree.params[id(c)] for c in inner) / max(1, sum(tree.params[id(c)] for c in parts)))
         counts.add(len(inner))
-    return bool(shares) and (max(shares) >= _STAGE_SHARE or (max(shares) >= 0.5 and len(counts) > 1))
+    return max(shares), len(counts) > 1
 
 
-def _select(tree: _Tree, cands: dict[Any, list[nn.Module]]) -> set[Any]:
-    kinds = set(cands)
-    # 3. stages: mostly made of other candidates.
-    kinds -= {k for k in kinds if _is_stage(tree, k, kinds)}
-    # 4. parts: every instance sits inside an instance of another remaining kind.
+def _select(tree: _Tree, top: set[Any], lower: set[Any]) -> set[Any]:
+    # NOTE: a candidate is a stage when other candidates hold 90% of its content (a stage of
+    # blocks after a small down-sampling layer). A block can also hold a run of smaller
+    # candidates (MaxViT: a conv block, then window and grid attention), up to ~85% of it;
+    # it differs from a stage by holding the same number of them everywhere, while stages
+    # hold as many blocks as their depth, which differs from stage to stage. Blocks of one
+    # level (timm MambaOut) rank below their stages by height: a lower-tier kind found only
+    # inside a candidate, in varying numbers, makes the candidate a stage of them.
+    kinds, stages = set(top), set()
+    for k in top:
+        share, varies = _stage_shape(tree, k, top - {k})
+        if share >= _STAGE_SHARE or (share >= 0.5 and varies):
+            stages.add(k)
+            continue
+        only_inside = {low for low in lower if _inside(tree, low, {k})[0] == _inside(tree, low, {k})[1]}
+        share, varies = _stage_shape(tree, k, only_inside)
+        if share >= 0.5 and varies:
+            stages.add(k)
+            kinds |= only_inside
+    kinds -= stages
+    # 4. parts: most of their modules sit inside a module of another remaining kind.
     parts = set()
     for k in kinds:
-        others = kinds - {k}
-        outer = {n for n, _ in _instances(tree.model, others)}
-        names = [n for n, _ in _instances(tree.model, {k})]
-        if outer and all(any(n.startswith(o + ".") for o in outer) for n in names):
+        inside, total = _inside(tree, k, kinds - {k})
+        if total and 2 * inside > total:
             parts.add(k)
     return kinds - parts
 
@@ -229,10 +249,10 @@ def find_blocks(model: nn.Module) -> list[str]:
     if hf and sum(1 for m in model.modules() if type(m) in hf) > 1:
         return [n for n, _ in _instances(model, set(hf))]
     tree = _Tree(model)
-    cands = _candidates(tree)
-    if not cands:
+    top, lower = _candidates(tree)
+    if not top:
         return []
-    blocks = _instances(model, _select(tree, cands))
+    blocks = _instances(model, _select(tree, top, lower))
     odd = _odd_blocks(tree, blocks)
     if not odd:
         return [n for n, _ in blocks]
