@@ -8,7 +8,7 @@ STAMP := $(VENV)/.memfit-installed
 # from PyPI needs torch 2.14.1, while the core suite keeps torch 2.13.0 and runs without them.
 EXTRAS_VENV ?= .venv-extras
 EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
-EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py
+EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py tests/integrations/test_zoo.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 
