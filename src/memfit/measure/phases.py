@@ -220,7 +220,7 @@ class _PhaseTracker(FastMemTracker):
         phase = self.phase
         if phase in self.phase_peak and total > self.phase_peak[phase]:
             self.phase_peak[phase] = total
-            self.phase_snap[phase] = copy.deepcopy(curr.get(self.device, {}))
+            self.phase_snap[phase] = dict(curr.get(self.device, {}))
         if phase in self.outside_peak and not (self._block_fqns & parents):
             # NOTE: once every block's backward is done, what runs is the backward of the part
             # before the blocks (stem, embeddings), with every block's gradient held: its own event.
