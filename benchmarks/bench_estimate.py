@@ -29,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import memfit  # noqa: E402
-from memfit.records import CHECKPOINT_MODES  # noqa: E402
+from memfit.records import Estimate  # noqa: E402
 from memfit.report.table import markdown_table  # noqa: E402
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
+from memfit.vocab import CHECKPOINT_MODES  # noqa: E402
 
 
 def accuracy() -> None:
@@ -73,7 +74,7 @@ def scale() -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     wall = time.perf_counter() - start
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    est = memfit.Estimate.from_json(done.stdout)
+    est = Estimate.from_json(done.stdout)
     prof = est.profiles["fp32"]
     n = est.param_count
     buffers = prof.param_bytes - 4 * n

@@ -18,11 +18,11 @@ import time
 import torch
 from torch import nn
 
+from memfit.benchmarking.planned import plan_strategy
+from memfit.benchmarking.sweep import bench
 from memfit.budget import format_bytes
-from memfit.measure.bench import bench
-from memfit.measure.profile import profile
-from memfit.plan.planner import plan
-from memfit.plan.strategies import plan_strategy
+from memfit.measuring.profile import profile
+from memfit.planning.planner import plan
 from memfit.records import BenchPoint
 from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 

@@ -21,13 +21,13 @@ from conftest import (
 from torch import nn
 
 import memfit
+from memfit.benchmarking.pareto import pareto_front
+from memfit.benchmarking.sequential import NotSequential, install_sequential
+from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
 from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.devices import device_facts
 from memfit.errors import ConfigError
-from memfit.measure.sequential import NotSequential, install_sequential
-from memfit.measure.strategies import Strategy, builtin_strategy, resolve_strategies
 from memfit.records import BenchPoint
-from memfit.report.pareto import pareto_front
 from memfit.train.gpt import gpt_loss
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 recompute runs the same kernels: only summation order may differ

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.benchmarking.plot import bench_figure
 from memfit.cli.main import main
 from memfit.records import BenchPoint
-from memfit.report.bench_plot import bench_figure
 
 TINY = [
     "--set", "model.n_layer=2", "--set", "model.n_embd=32", "--set", "model.n_head=2",

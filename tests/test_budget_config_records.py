@@ -74,7 +74,7 @@ def test_config_file_and_overrides(tmp_path: Path) -> None:
         (["modle.n_layer=2"], "unknown config section 'modle' \\(did you mean 'model'\\?\\)"),
         (["model.n_layer=two"], "model.n_layer must be int, got 'two'"),
         (["train.steps=0"], "train.steps must be at least 1"),
-        (["memory.checkpointing=sometimes"], "is not one of none, full, selective, every:K, auto"),
+        (["memory.checkpointing=sometimes"], "is not one of none, selective, full, every:K, auto"),
         (["memory.checkpointing=auto"], "needs memory.budget"),
         (["train.batch_size=6", "train.grad_accum=4"], "must be divisible by train.grad_accum"),
         (["nokey"], "must look like section.key=value"),

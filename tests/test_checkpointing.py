@@ -61,7 +61,7 @@ def test_checkpointed_gradients_equal_plain_fp32(case: str, variant: str) -> Non
     make, loss_fn, batch = CASES[case]
     plain = make()
     ckpt = memfit.checkpoint(copy.deepcopy(plain), **VARIANTS[variant])
-    assert memfit.checkpointed_blocks(ckpt), "nothing was checkpointed"
+    assert memfit.checkpointing.checkpointed_blocks(ckpt), "nothing was checkpointed"
     ref_loss, ref_grads, ref_bufs = _run(plain, loss_fn, batch)
     loss, grads, bufs = _run(ckpt, loss_fn, batch)
     torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
@@ -104,7 +104,7 @@ def test_uncheckpoint_restores_module_tree_and_state_dict_keys() -> None:
     assert list(model.state_dict()) == keys_before
     assert [(n, type(m)) for n, m in model.named_modules()] == names_before
     memfit.uncheckpoint(model)
-    assert memfit.checkpointed_blocks(model) == {}
+    assert memfit.checkpointing.checkpointed_blocks(model) == {}
     assert list(model.state_dict()) == keys_before
     assert {n: set(vars(m)) for n, m in model.named_modules()} == dicts_before
 
@@ -118,7 +118,7 @@ def test_checkpoint_twice_does_not_double_wrap() -> None:
     # The inner forward is the class's own, not another checkpoint layer.
     assert model.blocks[0].forward.args[0].__func__ is type(model.blocks[0]).forward
     memfit.checkpoint(model, mode="selective", every=2)
-    assert memfit.checkpointed_blocks(model) == {"blocks.0": "selective", "blocks.1": "full"}
+    assert memfit.checkpointing.checkpointed_blocks(model) == {"blocks.0": "selective", "blocks.1": "full"}
 
 
 def test_saved_weights_load_either_way() -> None:
@@ -131,7 +131,7 @@ def test_saved_weights_load_either_way() -> None:
 def test_deepcopy_of_checkpointed_model_is_independent() -> None:
     model = memfit.checkpoint(tiny_gpt(), mode="full")
     clone = copy.deepcopy(model)
-    assert memfit.checkpointed_blocks(clone) == memfit.checkpointed_blocks(model)
+    assert memfit.checkpointing.checkpointed_blocks(clone) == memfit.checkpointing.checkpointed_blocks(model)
     # The copy's wrapper calls the copy's block, not the original's.
     assert clone.blocks[0].forward.args[1] is clone.blocks[0]
     ref = _run(model, gpt_loss, token_batch())[1]

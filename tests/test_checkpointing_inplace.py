@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import memfit
-from memfit._recompute import copies_made
-from memfit._third_party import without_caches
-from memfit.measure.profile import inplace_parts
-from memfit.plan.simulator import simulate
+from memfit.hf_probe import without_caches
+from memfit.measuring.profile import inplace_parts
+from memfit.recompute import copies_made
+from memfit.stepmodel import simulate
 
 #: The recompute runs the very same fp32 kernels on the very same inputs.
 TOL = {"rtol": 1e-6, "atol": 1e-7}
@@ -159,7 +159,7 @@ def test_profile_finds_in_place_writes_and_the_plan_says_why() -> None:
     roomy = memfit.plan(
         model, batch, loss, prof.measured_peak_bytes, precision="fp32", profiles={"fp32": prof}
     )
-    assert set(roomy.blocks.values()) == {"keep"} and roomy.notes == []
+    assert set(roomy.blocks.values()) == {"none"} and roomy.notes == []
 
 
 class Leaky(nn.Module):

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memfit.benchmarking.pareto import fastest_within, mark_front, pareto_front, recommendation
 from memfit.records import BenchPoint
-from memfit.report.pareto import fastest_within, mark_front, pareto_front, recommendation
 
 
 def _point(name: str, peak: int, seconds: float, error: str = "") -> BenchPoint:

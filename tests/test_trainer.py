@@ -11,7 +11,7 @@ from conftest import DropoutMLP, mse_loss, tiny_gpt, token_batch, vector_batch
 from memfit import Plan
 from memfit.checkpointing import checkpoint, set_block_modes
 from memfit.errors import ConfigError
-from memfit.measure.memory import measure
+from memfit.measuring.memory import measure
 from memfit.records import StepMetrics
 from memfit.train.callbacks import Callback
 from memfit.train.gpt import gpt_loss

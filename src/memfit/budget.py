@@ -1,24 +1,34 @@
-"""Parse memory budgets: ``"6GiB"``, ``"500MB"``, ``"60%"`` or an int number of bytes.
+"""Memory budgets: ``"6GiB"``, ``"500MB"``, ``"60%"`` or an int number of bytes.
 
-This is the one place that turns a user's budget into bytes, so the CLI, the config file
-and the Python API all accept the same spellings and refuse the same mistakes.
+This is the one place that reads a user's budget, so the CLI, the config file and the
+Python API accept the same spellings and refuse the same mistakes. A budget is parsed once,
+at the edge, into a :class:`Budget`: either a number of bytes or a fraction of a baseline
+(memfit takes percentages of the fp32, no-checkpointing peak). Whoever knows the baseline
+(the planner, after measuring it) resolves the budget to bytes with :meth:`Budget.resolve`.
+
+Trade-off: a percentage cannot be turned into bytes until the baseline is measured, so its
+syntax is checked at once and its size only later; a byte budget is complete when parsed.
 
 Example:
     >>> parse_bytes("1.5GiB")
     1610612736
-    >>> parse_bytes("60%", reference=1000)
+    >>> Budget.parse("60%").resolve(1000)
     600
+    >>> Budget.parse("60%").is_fraction, str(Budget.parse("500MB"))
+    (True, '500MB')
     >>> format_bytes(1610612736)
     '1.50 GiB'
 """
 
 from __future__ import annotations
 
+import math
 import re
+from dataclasses import dataclass
 
 from memfit.errors import ConfigError
 
-__all__ = ["format_bytes", "parse_bytes"]
+__all__ = ["Budget", "format_bytes", "parse_bytes"]
 
 _UNITS: dict[str, int] = {
     "": 1,
@@ -37,10 +47,101 @@ _UNITS: dict[str, int] = {
     "t": 2**40,
 }
 _PATTERN = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*|%)\s*$")
+#: Larger than any memory there is (1 EiB); a budget above it is a typo, not a machine.
+_MAX_BYTES = 2**60
 
 
-def parse_bytes(value: int | float | str, reference: int | None = None, what: str = "budget") -> int:
-    """Turn a budget into a positive number of bytes.
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: a number of bytes, or a fraction of a baseline peak still unknown.
+
+    Exactly one of ``bytes`` and ``fraction`` is set. ``text`` is what the user wrote, for
+    messages and reports.
+    """
+
+    bytes: int | None = None
+    """The budget in bytes (None for a percentage)."""
+    fraction: float | None = None
+    """The budget as a fraction in (0, 1] of the baseline peak (None for bytes)."""
+    text: str = ""
+    """The budget as the user gave it."""
+
+    @classmethod
+    def parse(cls, value: Budget | int | float | str, what: str = "budget") -> Budget:
+        """Read int bytes, ``"6GiB"``, ``"500MB"`` or ``"60%"``.
+
+        Raises:
+            ConfigError: the value cannot be read, is not positive, is under one byte, or is
+                a percentage outside (0, 100].
+        """
+        if isinstance(value, Budget):
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
+        if isinstance(value, int | float):
+            if not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{what} must be a positive number of bytes, got {value!r}.")
+            return cls(bytes=_whole_bytes(value, value, what), text=str(value))
+        match = _PATTERN.match(value)
+        if match is None or match.group(2).lower() not in (*_UNITS, "%"):
+            raise ConfigError(
+                f"cannot read {what} {value!r}: write bytes as an integer, or a number with a unit "
+                "(B, KB, MB, GB, KiB, MiB, GiB), or a percentage such as '60%'."
+            )
+        number = float(match.group(1))
+        unit = match.group(2).lower()
+        if not math.isfinite(number):
+            raise ConfigError(
+                f"{what} {value!r} is too large to be a memory size; give bytes such as '6GiB'."
+            )
+        if number <= 0:
+            raise ConfigError(f"{what} must be positive, got {value!r}.")
+        if unit == "%":
+            if number > 100:
+                raise ConfigError(
+                    f"{what} {value!r} is over 100% of the baseline peak; give a percentage in (0, 100]."
+                )
+            return cls(fraction=number / 100, text=value.strip())
+        return cls(bytes=_whole_bytes(number * _UNITS[unit], value, what), text=value.strip())
+
+    @property
+    def is_fraction(self) -> bool:
+        """True for a percentage, which needs the baseline peak to become bytes."""
+        return self.fraction is not None
+
+    def resolve(self, baseline_bytes: int | None, what: str = "budget") -> int:
+        """The budget in bytes; a percentage is taken of ``baseline_bytes``.
+
+        Raises:
+            ConfigError: a percentage with no baseline, or one that comes to under a byte.
+        """
+        if self.bytes is not None:
+            return self.bytes
+        if baseline_bytes is None:
+            raise ConfigError(
+                f"{what} {self.text!r} is a percentage, but nothing to take it of is known here; "
+                "give bytes such as '6GiB' instead."
+            )
+        result = int(baseline_bytes * (self.fraction or 0.0))
+        if result <= 0:
+            raise ConfigError(f"{what} {self.text!r} is less than one byte; give a positive amount.")
+        return result
+
+    def __str__(self) -> str:
+        return self.text or (f"{(self.fraction or 0) * 100:g}%" if self.is_fraction else str(self.bytes))
+
+
+def _whole_bytes(number: float, shown: object, what: str) -> int:
+    if number > _MAX_BYTES:
+        raise ConfigError(f"{what} {shown!r} is too large to be a memory size; give bytes such as '6GiB'.")
+    result = int(number)
+    if result <= 0:
+        raise ConfigError(f"{what} {shown!r} is less than one byte; give a positive amount.")
+    return result
+
+
+def parse_bytes(value: Budget | int | float | str, reference: int | None = None, what: str = "budget") -> int:
+    """Turn a budget into a positive number of bytes (``Budget.parse(value).resolve(reference)``).
 
     Args:
         value: int bytes, a string with a unit such as ``"6GiB"`` or ``"500MB"``, or a
@@ -56,40 +157,7 @@ def parse_bytes(value: int | float | str, reference: int | None = None, what: st
         ConfigError: the value cannot be read, is not positive, or is a percentage
             outside (0, 100] or without a reference.
     """
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
-    if isinstance(value, int | float):
-        if value != value or value <= 0 or value == float("inf"):
-            raise ConfigError(f"{what} must be a positive number of bytes, got {value!r}.")
-        return int(value)
-    if not isinstance(value, str):
-        raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
-    match = _PATTERN.match(value)
-    if match is None or match.group(2).lower() not in (*_UNITS, "%"):
-        raise ConfigError(
-            f"cannot read {what} {value!r}: write bytes as an integer, or a number with a unit "
-            "(B, KB, MB, GB, KiB, MiB, GiB), or a percentage such as '60%'."
-        )
-    number = float(match.group(1))
-    unit = match.group(2).lower()
-    if number <= 0:
-        raise ConfigError(f"{what} must be positive, got {value!r}.")
-    if unit == "%":
-        if number > 100:
-            raise ConfigError(
-                f"{what} {value!r} is over 100% of the baseline peak; give a percentage in (0, 100]."
-            )
-        if reference is None:
-            raise ConfigError(
-                f"{what} {value!r} is a percentage, but nothing to take it of is known here; "
-                "give bytes such as '6GiB' instead."
-            )
-        result = int(reference * number / 100)
-    else:
-        result = int(number * _UNITS[unit])
-    if result <= 0:
-        raise ConfigError(f"{what} {value!r} is less than one byte; give a positive amount.")
-    return result
+    return Budget.parse(value, what).resolve(reference, what)
 
 
 def format_bytes(n: int | float) -> str:

@@ -6,7 +6,7 @@ in backward, so it saves memory at the cost of (about) one more forward of that 
 recomputes only cheap ones (norms, activations, elementwise), so it saves less and costs
 less.
 
-Blocks are wrapped by an instance-level ``forward`` override (see ``memfit._forward``), so
+Blocks are wrapped by an instance-level ``forward`` override (see ``memfit.forward_layers``), so
 the module tree and the state_dict keys do not change: weights saved from a checkpointed
 model load into a plain one and back.
 
@@ -32,14 +32,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit._forward import forward_layers, set_forward_layer
-from memfit._recompute import run_checkpointed
-from memfit._third_party import hf_checkpointing_active, without_caches
 from memfit.blocks import find_blocks, resolve_blocks
 from memfit.errors import ConfigError
+from memfit.forward_layers import forward_layers, set_forward_layer
+from memfit.hf_probe import hf_checkpointing_active, without_caches
+from memfit.recompute import run_checkpointed
+from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
-    "CHECKPOINT_MODES",
     "checkpoint",
     "checkpointed_blocks",
     "find_blocks",
@@ -48,7 +48,6 @@ __all__ = [
     "uncheckpoint",
 ]
 
-CHECKPOINT_MODES = ("none", "selective", "full")
 _TAG = "checkpoint"
 
 _log = logging.getLogger("memfit")

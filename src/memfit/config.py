@@ -26,8 +26,9 @@ from typing import Any
 
 import tomllib
 
-from memfit.budget import parse_bytes
+from memfit.budget import Budget
 from memfit.errors import ConfigError
+from memfit.vocab import CHECKPOINT_MODES, PRECISION_CHOICES
 
 __all__ = [
     "Config",
@@ -186,18 +187,20 @@ def _validate(cfg: Config) -> None:
     if cfg.optimizer.clip_norm < 0:
         raise ConfigError(f"optimizer.clip_norm must be 0 or more, got {cfg.optimizer.clip_norm}.")
     ckpt = cfg.memory.checkpointing
-    if ckpt not in ("none", "full", "selective", "auto") and not _is_every(ckpt):
+    if ckpt not in (*CHECKPOINT_MODES, "auto") and not _is_every(ckpt):
         raise ConfigError(
-            f"memory.checkpointing {ckpt!r} is not one of none, full, selective, every:K, auto."
+            f"memory.checkpointing {ckpt!r} is not one of {', '.join(CHECKPOINT_MODES)}, every:K, auto."
         )
     if ckpt == "auto" and not cfg.memory.budget:
         raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
     if cfg.memory.budget:
         # NOTE: only the syntax is checked here; a percentage is resolved against the
         # baseline peak once that is measured.
-        parse_bytes(cfg.memory.budget, reference=1 << 40, what="memory.budget")
-    if cfg.memory.precision not in ("fp32", "bf16", "fp16", "auto"):
-        raise ConfigError(f"memory.precision {cfg.memory.precision!r} is not one of fp32, bf16, fp16, auto.")
+        Budget.parse(cfg.memory.budget, what="memory.budget")
+    if cfg.memory.precision not in PRECISION_CHOICES:
+        raise ConfigError(
+            f"memory.precision {cfg.memory.precision!r} is not one of {', '.join(PRECISION_CHOICES)}."
+        )
     if cfg.memory.on_overflow not in ("stop", "fallback"):
         raise ConfigError(f"memory.on_overflow {cfg.memory.on_overflow!r} is not one of stop, fallback.")
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from memfit.records import Record
+from memfit.vocab import MIXED_PRECISIONS
 
 __all__ = [
     "DeviceFacts",
@@ -103,7 +104,7 @@ def _cpu_facts() -> DeviceFacts:
         bf16_native=bf16_native,
         fp16_runs=True,
         fp16_native=fp16_native,
-        autocast_dtypes=["bf16", "fp16"],
+        autocast_dtypes=list(MIXED_PRECISIONS),
         notes=notes,
     )
 
@@ -129,7 +130,7 @@ def _cuda_facts(index: int) -> DeviceFacts:
         bf16_native=bf16_native,
         fp16_runs=True,
         fp16_native=fp16_native,
-        autocast_dtypes=(["bf16", "fp16"] if bf16_native else ["fp16"]),
+        autocast_dtypes=(list(MIXED_PRECISIONS) if bf16_native else ["fp16"]),
         notes=notes,
     )
 

@@ -27,13 +27,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from memfit._forward import set_forward_layer
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.forward_layers import set_forward_layer
+from memfit.vocab import PRECISION_CHOICES
 
-__all__ = ["DTYPES", "PRECISION_MODES", "Precision"]
+__all__ = ["DTYPES", "Precision"]
 
-PRECISION_MODES = ("fp32", "bf16", "fp16", "auto")
 DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
@@ -77,9 +77,9 @@ class Precision:
         facts = device_facts(device)
         self.device = torch.device(facts.name)
         self.facts = facts
-        if not isinstance(mode, str) or mode not in PRECISION_MODES:
+        if not isinstance(mode, str) or mode not in PRECISION_CHOICES:
             raise UnsupportedPrecision(
-                f"unknown precision {mode!r}; use one of {', '.join(PRECISION_MODES)}."
+                f"unknown precision {mode!r}; use one of {', '.join(PRECISION_CHOICES)}."
             )
         if mode == "auto":
             mode = recommend_precision(facts)

@@ -11,10 +11,11 @@ import sys
 import torch
 import torch.distributed as dist
 
-from memfit.measure.memory import MemoryWatch
-from memfit.measure.profile import profile
-from memfit.plan.planner import apply, plan_from_profiles
-from memfit.plan.sharding import shard_profile
+from memfit.apply import apply
+from memfit.measuring.profile import profile
+from memfit.measuring.tracker import MemoryWatch
+from memfit.planning.planner import plan_from_profiles
+from memfit.planning.sharding import shard_profile
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import training_step

@@ -55,7 +55,7 @@ def test_blocks_found_in_models_built_from_config(name: str, cls: str, blocks: l
 def test_checkpointed_gradients_equal_plain(name: str, mode: str) -> None:
     plain = _model(name)
     ckpt = memfit.checkpoint(copy.deepcopy(plain), mode=mode)
-    assert set(memfit.checkpointed_blocks(ckpt).values()) == {mode}
+    assert set(memfit.checkpointing.checkpointed_blocks(ckpt).values()) == {mode}
     batch = _batch()
     losses = []
     for model in (plain, ckpt):
@@ -77,7 +77,7 @@ def test_plan_at_60_percent_holds_when_measured(name: str) -> None:
     plan = memfit.plan(model, batch, hf_causal_loss, "60%", opt, precision="fp32")
     assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
     memfit.apply(model, plan)
-    assert any(m != "keep" for m in plan.blocks.values())
+    assert any(m != "none" for m in plan.blocks.values())
     measured = memfit.measure(
         model, batch, hf_causal_loss, opt, "fp32", steps=1, micro_batches=plan.micro_batches
     )
@@ -106,7 +106,7 @@ def test_huggingface_checkpointing_is_detected_not_doubled() -> None:
     assert checkpointing_owner(model) == "huggingface"
     with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
         memfit.checkpoint(model, mode="full")
-    assert memfit.checkpointed_blocks(model) == {}
+    assert memfit.checkpointing.checkpointed_blocks(model) == {}
     model.gradient_checkpointing_disable()
     memfit.checkpoint(model, mode="full")
     assert checkpointing_owner(model) == "memfit"

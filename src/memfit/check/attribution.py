@@ -42,7 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from memfit.measure.state import preserved
+from memfit.measuring.preserve import preserved
 from memfit.precision import Precision
 from memfit.records import ModuleRange, NonFinite
 from memfit.step import Batch, LossFn

@@ -48,6 +48,7 @@ from memfit.errors import ConfigError, NonFiniteLoss
 from memfit.precision import Precision
 from memfit.records import NonFinite
 from memfit.step import Batch, LossFn, StepResult, training_step
+from memfit.vocab import MIXED_PRECISIONS
 
 __all__ = ["GUARD_ACTIONS", "Guard", "GuardConfig", "GuardEvent"]
 
@@ -245,7 +246,7 @@ class Guard:
         ):
             return Precision("bf16", device=precision.device, fp32_modules=precision.fp32_modules)
         if (
-            precision.mode in ("fp16", "bf16")
+            precision.mode in MIXED_PRECISIONS
             and named
             and nf is not None
             and nf.module not in self._fp32_kept

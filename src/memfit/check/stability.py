@@ -39,6 +39,7 @@ from memfit.errors import ConfigError, UnsupportedPrecision
 from memfit.precision import Precision
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
+from memfit.vocab import MIXED_PRECISIONS, PRECISIONS
 
 __all__ = ["check_stability", "hardware_facts"]
 
@@ -64,7 +65,7 @@ def _validate(precisions: Sequence[str], steps: int, batches: Sequence[Batch]) -
     if not precisions:
         raise ConfigError("precisions is empty; give at least one of 'bf16' or 'fp16'.")
     for p in precisions:
-        if p not in ("fp32", "bf16", "fp16"):
+        if p not in PRECISIONS:
             raise UnsupportedPrecision(f"unknown precision {p!r} to check; use 'bf16' and/or 'fp16'.")
     if len(set(precisions)) != len(precisions):
         raise ConfigError(f"precisions {list(precisions)} name a mode twice; name each once.")
@@ -90,7 +91,7 @@ def check_stability(
     batches: Sequence[Batch],
     loss_fn: LossFn,
     optimizer_fn: OptimizerFn,
-    precisions: Sequence[str] = ("bf16", "fp16"),
+    precisions: Sequence[str] = MIXED_PRECISIONS,
     steps: int = 50,
     *,
     plan: Plan | None = None,
@@ -141,7 +142,7 @@ def check_stability(
         eval_batches = [batches[i] for i in sorted({round(k * (n - 1) / 3) for k in range(4)})]
     if len(eval_batches) == 0:
         raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
-    blocks = {k: ("none" if v == "keep" else v) for k, v in plan.blocks.items()} if plan else None
+    blocks = dict(plan.blocks) if plan else None
     micro = plan.micro_batches if plan else 1
     with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)

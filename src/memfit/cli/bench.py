@@ -17,17 +17,17 @@ from typing import Any
 import tomllib
 import torch
 
-from memfit.budget import parse_bytes
+from memfit.benchmarking.copies import batch_to
+from memfit.benchmarking.pareto import recommendation
+from memfit.benchmarking.planned import planner_strategies
+from memfit.benchmarking.report import bench_table, default_meta, failed_lines, write_bench_files
+from memfit.benchmarking.strategies import builtin_strategies, resolve_strategies
+from memfit.benchmarking.sweep import bench
+from memfit.budget import Budget
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.config import Config
 from memfit.devices import default_device, device_facts
 from memfit.errors import ConfigError
-from memfit.measure.bench import bench
-from memfit.measure.copies import batch_to
-from memfit.measure.strategies import builtin_strategies, resolve_strategies
-from memfit.plan.strategies import planner_strategies
-from memfit.report.bench_report import bench_table, default_meta, failed_lines, write_bench_files
-from memfit.report.pareto import recommendation
 from memfit.train.build import build_model
 from memfit.train.data import BatchSampler, ByteCorpus
 
@@ -118,7 +118,7 @@ def _configured_batch(args: argparse.Namespace) -> bool:
 def _check_budget(text: str | None) -> None:
     """Refuse a malformed budget before minutes of measuring (a percentage is resolved later)."""
     if text is not None:
-        parse_bytes(text, reference=1 << 40, what="--budget")
+        Budget.parse(text, what="--budget")
 
 
 def _command(args: argparse.Namespace) -> str:
@@ -148,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     _check_budget(args.budget)
     plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
     for b in plan_budgets:
-        parse_bytes(b, reference=2**50, what="--plan budget")
+        Budget.parse(b, what="--plan budget")
     cfg = config_from_args(args)
     out = Path(args.out or cfg.train.out)
     if out.exists() and not out.is_dir():
@@ -205,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     budget = None
     if args.budget is not None:
         base = next((p for p in points if p.ok and p.strategy == p.baseline), None)
-        budget = parse_bytes(args.budget, reference=base.peak_bytes if base else None, what="--budget")
+        budget = Budget.parse(args.budget, "--budget").resolve(base.peak_bytes if base else None, "--budget")
     params = sum(p.numel() for p in spec.model.parameters())
     print(
         f"memfit bench on {device}: {params:,} parameters, batch {batch_size}, {args.steps} timed "

@@ -70,7 +70,7 @@ def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
     names = find_blocks(model)
     if mode.startswith("every:"):
         k = int(mode.split(":", 1)[1])
-        blocks = {n: ("full" if i % k == 0 else "keep") for i, n in enumerate(names)}
+        blocks = {n: ("full" if i % k == 0 else "none") for i, n in enumerate(names)}
     else:
         blocks = dict.fromkeys(names, mode)
     return Plan(blocks=blocks, micro_batches=cfg.train.grad_accum)

@@ -24,12 +24,13 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from memfit.apply import apply
 from memfit.budget import format_bytes
 from memfit.errors import ConfigError
-from memfit.plan.planner import apply, plan
+from memfit.planning.planner import plan
 from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
-from memfit.report.table import markdown_table, text_table
+from memfit.report.table import markdown_table, mode_counts, text_table
 from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.train.callbacks import MetricsLog
 from memfit.train.data import BatchSampler, ByteCorpus
@@ -85,9 +86,7 @@ def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimize
 
 def _describe(plan: Plan) -> str:
     """E.g. ``"fp32, planned under 13.3 MiB: full 3, keep 1 of 4 blocks"``."""
-    counts: dict[str, int] = {}
-    for mode in plan.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
+    counts = mode_counts(plan.blocks.values())
     parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
     micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""

@@ -11,11 +11,12 @@ from __future__ import annotations
 import argparse
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.cli._model import batch_for, describe, optimizer_fn, spec_for
 from memfit.cli.common import add_config_arguments, config_from_args
-from memfit.measure.estimate import PRECISIONS, estimate
+from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
+from memfit.measuring.estimate import estimate
 from memfit.report.memory_tables import strategy_table, verdict_line
 from memfit.train.build import build_model
+from memfit.vocab import PRECISIONS
 
 HELP = "predict peak memory for every precision x checkpointing mode with fake tensors (no allocation)"
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfit.budget import format_bytes, parse_bytes
-from memfit.cli._model import batch_for, describe, optimizer_fn, run_device, spec_for
+from memfit.budget import Budget, format_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
-from memfit.plan.planner import plan
+from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import text_table
+from memfit.vocab import PRECISION_CHOICES
 
 HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
 
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         nargs="+",
-        choices=("fp32", "bf16", "fp16", "auto"),
+        choices=PRECISION_CHOICES,
         help="precision(s) to choose from (default: memory.precision of the config; auto = fp32 and "
         "what the device runs natively)",
     )
@@ -64,8 +65,7 @@ def run(args: argparse.Namespace) -> int:
     budget_text = args.budget if args.budget is not None else cfg.memory.budget
     if not budget_text:
         raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
-    budget: int | str = budget_text
-    parse_bytes(budget, reference=2**50)  # a bad budget is refused before the model is built
+    budget = Budget.parse(budget_text)  # a bad budget is refused before the model is built
     precisions = args.precision or [cfg.memory.precision]
     choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
     device = run_device(cfg)

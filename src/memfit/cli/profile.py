@@ -11,14 +11,15 @@ import argparse
 from pathlib import Path
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.cli._model import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
-from memfit.measure.profile import profile
-from memfit.measure.stepmodel import step_peak
+from memfit.measuring.profile import profile
 from memfit.precision import Precision
 from memfit.records import EstimateEntry
 from memfit.report.memory_tables import block_table, strategy_table, verdict_line
+from memfit.stepmodel import simulate
+from memfit.vocab import PRECISION_CHOICES
 
 HELP = "profile each block's kept memory, backward peak, time and FLOPs under none/selective/full"
 
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument(
         "--precision",
-        choices=("fp32", "bf16", "fp16", "auto"),
+        choices=PRECISION_CHOICES,
         help="default: memory.precision of the config",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (default 3)")
@@ -69,8 +70,8 @@ def run(args: argparse.Namespace) -> int:
     print()
     entries = []
     for mode in prof.outside.saved_bytes:
-        peak, parts = step_peak(prof, mode)
-        entries.append(EstimateEntry(prof.precision, mode, peak, parts))
+        sim = simulate(prof, mode)
+        entries.append(EstimateEntry(prof.precision, mode, sim.peak_bytes, sim.breakdown))
     print(strategy_table(entries, memory))
     for note in prof.notes:
         print(f"note: {note}")

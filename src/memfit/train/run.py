@@ -35,14 +35,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.budget import format_bytes, parse_bytes
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
 from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.config import Config
 from memfit.errors import ConfigError, StateError
-from memfit.plan.planner import apply, plan
+from memfit.planning.planner import plan
 from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
+from memfit.report.table import mode_counts
 from memfit.report.training import summarize, training_report
 from memfit.train.build import build_model
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
@@ -154,9 +156,7 @@ def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 def _describe_plan(chosen: Plan) -> str:
-    counts: dict[str, int] = {}
-    for mode in chosen.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
+    counts = mode_counts(chosen.blocks.values())
     modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
     return (
         f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
@@ -272,8 +272,7 @@ def train_from_config(
     budget = None
     if budget_text:
         # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
-        budget = parse_bytes(budget_text, reference=2**50, what="memory.budget")
-        budget = None if budget_text.strip().endswith("%") else budget
+        budget = Budget.parse(budget_text, what="memory.budget").bytes
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = device if cfg.train.device == "auto" else torch.device(cfg.train.device)
     state_path = resolve_resume(resume, out) if resume else None

@@ -2,7 +2,7 @@
 
 It composes the pieces and decides nothing: every step is :func:`memfit.step.training_step`
 (autocast, loss scaling, gradient accumulation, clipping after unscaling, zero_grad with
-``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
+``set_to_none``), memory comes from :class:`memfit.measuring.memory.MemoryWatch`, and
 training state goes through :mod:`memfit.train.state`.
 
 Every step runs through a :class:`memfit.check.guards.Guard` (on by default, cheap): fp16
@@ -41,7 +41,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError
-from memfit.measure.memory import MemoryWatch
+from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn, StepResult
@@ -49,6 +49,7 @@ from memfit.train.callbacks import Callback
 from memfit.train.distributed import DistContext, global_mean, local_batch, unwrap
 from memfit.train.sharded_state import load_sharded, save_sharded, sharded
 from memfit.train.state import load_state, restore_trainer, save_state, trainer_state
+from memfit.vocab import normalize_mode
 
 __all__ = ["Trainer"]
 
@@ -68,7 +69,7 @@ def _to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def _plan_mode(mode: str) -> str | None:
-    return None if mode in ("keep", "none") else mode
+    return None if normalize_mode(mode) == "none" else mode
 
 
 class Trainer:

@@ -1,0 +1,292 @@
+"""Measure memory against step time for many strategies, side by side, in one run.
+
+For each strategy a fresh deep copy of the model (same weights) is prepared, gets a fresh
+optimizer, runs one warm-up step (which also creates the optimizer state) under
+``FlopCounterMode``, then one step under the same tracking as :func:`memfit.measure` for
+its peak bytes. Then the timed steps run interleaved, A B C A B C ..., so that a noisy
+machine's drift hits every strategy alike; each strategy's time is the median of its
+steps. Trade-off: holding every copy at once costs host memory (on a GPU the copies not
+running are parked on the CPU, so each peak is that strategy's alone), and the
+interleaving makes a run as slow as all strategies together.
+
+Example:
+    >>> import torch
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> points = bench(model, (x, x), gpt_loss, torch.optim.AdamW(model.parameters()),
+    ...                strategies=["fp32/none", "fp32/full"], steps=1)
+    >>> [(p.strategy, p.peak_ratio < 1.0) for p in points]
+    [('fp32/none', False), ('fp32/full', True)]
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from memfit.benchmarking.copies import (
+    OptimizerArg,
+    Parked,
+    batch_to,
+    check_optimizer,
+    fresh_optimizer,
+    park,
+    sync,
+    unpark,
+)
+from memfit.benchmarking.pareto import mark_front
+from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
+from memfit.checkpointing import uncheckpoint
+from memfit.devices import device_facts
+from memfit.errors import ConfigError, MemfitError
+from memfit.measuring.memory import tracked_step
+from memfit.precision import Precision
+from memfit.records import BenchPoint
+from memfit.step import Batch, LossFn, training_step
+
+__all__ = ["bench"]
+
+
+@dataclass
+class _Run:
+    """One strategy's live state between the memory phase and the timed rounds."""
+
+    strategy: Strategy
+    point: BenchPoint
+    model: nn.Module | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    precision: Precision | None = None
+    parked: list[Parked] = field(default_factory=list)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, MemfitError):
+        return str(exc).rstrip(".")
+    if isinstance(exc, torch.OutOfMemoryError):
+        return "out of memory: " + str(exc).splitlines()[0][:200]
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+def _flops(model: nn.Module, batch: Batch, loss_fn: LossFn, optimizer: Any, run: _Run) -> int:
+    assert run.precision is not None
+    with FlopCounterMode(display=False) as counter:
+        training_step(model, batch, loss_fn, optimizer, run.precision, run.strategy.micro_batches)
+    return int(counter.get_total_flops())
+
+
+def _prepare(
+    run: _Run,
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    template: OptimizerArg,
+    device: torch.device,
+    seed: int,
+) -> None:
+    """Memory phase of one strategy: copy, prepare, warm-up (FLOPs counted), tracked step, park."""
+    s, point = run.strategy, run.point
+    run.precision = Precision(s.precision, device=device)
+    copied = copy.deepcopy(model).to(device)
+    uncheckpoint(copied)
+    copied.train()
+    run.model = s.prepare(copied, batch, loss_fn)
+    run.optimizer = fresh_optimizer(template, model, run.model)
+    torch.manual_seed(seed)
+    point.flops = _flops(run.model, batch, loss_fn, run.optimizer, run)
+    peak, breakdown, _ = tracked_step(
+        run.model, batch, loss_fn, run.optimizer, run.precision, s.micro_batches
+    )
+    point.peak_bytes = int(peak)
+    point.breakdown = {k: int(v) for k, v in breakdown.items()}
+    run.parked = park(run.model, run.optimizer, device)
+
+
+def _drop(run: _Run, exc: BaseException, device: torch.device) -> None:
+    run.point.error = _reason(exc)
+    run.model = run.optimizer = None
+    run.parked.clear()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _baseline_flops(
+    precision: str,
+    points: dict[str, BenchPoint],
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    device: torch.device,
+    cache: dict[str, int],
+) -> int:
+    """FLOPs of one step at ``precision`` without checkpointing (reusing ``precision/none``)."""
+    if precision not in cache:
+        same = points.get(f"{precision}/none")
+        if same is not None and same.ok:
+            cache[precision] = same.flops
+        else:
+            plain = _Run(
+                strategy=builtin_strategy(precision, "none"), point=BenchPoint("", precision, "none")
+            )
+            plain.precision = Precision(precision, device=device)
+            copied = uncheckpoint(copy.deepcopy(model).to(device)).train()
+            cache[precision] = _flops(copied, batch, loss_fn, None, plain)
+    return cache[precision]
+
+
+def _finish(runs: Sequence[_Run], baseline: str) -> None:
+    """Medians, ratios to the baseline (or the first strategy that ran), and the front."""
+    points = [r.point for r in runs]
+    for p in points:
+        if p.ok:
+            p.step_seconds = statistics.median(p.step_times)
+    ok = [p for p in points if p.ok]
+    base = next((p for p in ok if p.strategy == baseline), ok[0] if ok else None)
+    for p in ok:
+        assert base is not None
+        p.baseline = base.strategy
+        p.peak_ratio = p.peak_bytes / base.peak_bytes if base.peak_bytes else 0.0
+        p.time_ratio = p.step_seconds / base.step_seconds if base.step_seconds else 0.0
+    mark_front(points)
+
+
+def bench(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: OptimizerArg = None,
+    strategies: Sequence[str | Strategy] | None = None,
+    steps: int = 3,
+    slow_steps: int | None = None,
+    baseline: str = "fp32/none",
+    device: str | torch.device | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> list[BenchPoint]:
+    """Measure peak bytes, median step time and FLOPs of every strategy on fresh model copies.
+
+    Args:
+        model: the model; it is deep-copied per strategy and never changed.
+        batch: a tensor or tuple of tensors whose first dimension is the batch.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        optimizer: an optimizer over ``model``'s parameters (each copy gets a new one of
+            the same class and settings), or ``optimizer_fn(params)``; None benches
+            forward and backward only.
+        strategies: names (``"bf16/full"``), patterns (``"bf16/*"``) or :class:`Strategy`
+            objects; default all built-in ones.
+        steps: timed steps per strategy (interleaved); the median is reported.
+        slow_steps: timed steps for strategies whose precision the device only emulates
+            (bf16/fp16 on most CPUs, ~20x slower); default ``steps``.
+        baseline: the strategy ratios are taken against; measured even when not listed.
+        device: where the copies run (default: the model's device). For a GPU, keep the
+            model on the CPU and pass ``device="cuda"``: a model left on the GPU is in
+            every strategy's allocator peak.
+        seed: RNG seed set before each strategy's warm-up, so dropout draws alike.
+        progress: show a tqdm bar on stderr.
+
+    Returns:
+        One :class:`BenchPoint` per strategy in the order given (baseline first if it was
+        added); failed strategies carry ``error`` instead of numbers.
+
+    Raises:
+        ConfigError: an unknown strategy name, ``steps < 1``, or an optimizer that is not
+            over the model's parameters.
+    """
+    for label, value in (("steps", steps), ("slow_steps", steps if slow_steps is None else slow_steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{label} must be a positive integer, got {value!r}.")
+    check_optimizer(optimizer, model)
+    chosen = resolve_strategies(strategies)
+    if baseline not in {s.name for s in chosen}:
+        chosen = [*resolve_strategies([baseline]), *chosen]
+    dev = (
+        torch.device(device)
+        if device is not None
+        else next((p.device for p in model.parameters()), torch.device("cpu"))
+    )
+    batch = batch_to(batch, dev)
+    tracker = "cuda-allocator" if dev.type == "cuda" else "MemTracker"
+    facts = device_facts(dev)
+    native = {"fp32": True, "bf16": facts.bf16_native, "fp16": facts.fp16_native}
+    runs = [
+        _Run(
+            s,
+            BenchPoint(
+                s.name,
+                s.precision,
+                s.checkpointing,
+                micro_batches=s.micro_batches,
+                device=str(dev),
+                tracker=tracker,
+            ),
+        )
+        for s in chosen
+    ]
+    rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    from tqdm import tqdm
+
+    wanted = {
+        r.point.strategy: steps
+        if native.get(r.strategy.precision, True) or slow_steps is None
+        else slow_steps
+        for r in runs
+    }
+    total = sum(1 + wanted[r.point.strategy] for r in runs)
+    bar = tqdm(total=total, desc="memfit bench", disable=not progress, unit="step")
+    try:
+        for run in runs:
+            bar.set_postfix_str(run.strategy.name)
+            try:
+                _prepare(run, model, batch, loss_fn, optimizer, dev, seed)
+            except Exception as exc:
+                _drop(run, exc, dev)
+            bar.update(1)
+        by_name = {r.point.strategy: r.point for r in runs}
+        cache: dict[str, int] = {}
+        for run in runs:
+            if run.point.ok:
+                try:
+                    base = _baseline_flops(run.strategy.precision, by_name, model, batch, loss_fn, dev, cache)
+                    run.point.recompute_fraction = run.point.flops / base if base else 0.0
+                except Exception as exc:
+                    _drop(run, exc, dev)
+        for round_ in range(max(wanted.values())):
+            for run in runs:
+                if round_ >= wanted[run.point.strategy]:
+                    continue
+                if run.point.ok and run.model is not None and run.precision is not None:
+                    try:
+                        unpark(run.model, run.parked, dev)
+                        sync(dev)
+                        start = time.perf_counter()
+                        training_step(
+                            run.model,
+                            batch,
+                            loss_fn,
+                            run.optimizer,
+                            run.precision,
+                            run.strategy.micro_batches,
+                        )
+                        sync(dev)
+                        run.point.step_times.append(time.perf_counter() - start)
+                        run.parked = park(run.model, run.optimizer, dev)
+                    except Exception as exc:
+                        _drop(run, exc, dev)
+                bar.update(1)
+    finally:
+        bar.close()
+        torch.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    _finish(runs, baseline)
+    return [r.point for r in runs]

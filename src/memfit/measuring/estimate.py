@@ -1,0 +1,270 @@
+"""Estimate a training step's memory for every precision x checkpointing mode, allocating nothing.
+
+The model, its optimizer and the batch are built under PyTorch's ``FakeTensorMode``: tensors
+carry shapes, dtypes and devices but no storage, so a 7B-parameter model fits in a laptop's
+memory. The same :func:`memfit.step.training_step` then runs under the same MemTracker
+accounting :func:`memfit.measure` uses (:func:`memfit.measuring.phases.phased_step`), once
+per precision and mode, so the estimate is what ``measure`` would report on this device
+type, activations included (HF's ``accelerate estimate-memory`` and DeepSpeed's estimators
+count parameters, gradients and optimizer state only).
+
+Trade-off: nothing is computed, so nothing data-dependent is either: fp16's dynamic loss
+scaling (which reads the gradients) is left out of the fake step; it holds only a few
+scalars. The optimizer step is the same for every strategy (parameters, gradients and
+state stay fp32), so it runs once and its phase is reused: exact, and half the time.
+
+Example:
+    >>> import torch
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> est = estimate(lambda: GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)),
+    ...                (x, x), gpt_loss, lambda p: torch.optim.AdamW(p), device_memory="2MiB")
+    >>> est.peak_bytes("fp32", "full") < est.peak_bytes("fp32", "none")
+    True
+    >>> est.fits[0]
+    ('bf16', 'none')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+from memfit.budget import parse_bytes
+from memfit.checkpointing import find_blocks, set_block_modes
+from memfit.errors import ConfigError
+from memfit.measuring.batchcheck import batch_errors
+from memfit.measuring.phases import (
+    StepMemory,
+    optimizer_state_bytes,
+    phased_step,
+)
+from memfit.measuring.profile import profile_from_memory
+from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
+from memfit.precision import Precision
+from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
+from memfit.step import Batch, LossFn, batch_size
+from memfit.stepmodel import simulate
+from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
+
+__all__ = ["estimate"]
+
+
+def _fake_precision(mode: str, device: torch.device) -> Precision:
+    prec = Precision(mode, device=device)
+    # NOTE: GradScaler.step reads found_inf with .item(), which fake tensors cannot answer;
+    # loss scaling holds a few scalars, so the fake step runs fp16 without it.
+    prec.scaler = torch.amp.GradScaler(device.type, enabled=False)
+    return prec
+
+
+def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -> EstimateEntry:
+    peak, parts = mem.peak, dict(mem.breakdown)
+    if opt is not None and "optimizer" in opt.phase_peaks:
+        # the optimizer phase of this step: its own backward end plus the shared temporaries
+        opt_peak = mem.backward_end + opt.phase_peaks["optimizer"] - opt.backward_end
+        if opt_peak > peak:
+            peak, parts = opt_peak, dict(opt.phase_breakdowns["optimizer"])
+            parts["temporaries"] += peak - sum(parts.values())
+    return EstimateEntry(
+        precision=precision,
+        mode=mode,
+        peak_bytes=int(peak),
+        breakdown={k: int(parts.get(k, 0)) for k in BREAKDOWN_KEYS},
+        activation_bytes=int(mem.forward_end - mem.start),
+    )
+
+
+def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Create the optimizer state with one step on zero gradients (no forward needed)."""
+    if optimizer is None:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def estimate(
+    model_fn: Callable[[], nn.Module],
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    device_memory: int | str | None = None,
+    precisions: Iterable[str] = PRECISIONS,
+    modes: Iterable[str] = CHECKPOINT_MODES,
+) -> Estimate:
+    """Predict the peak bytes of one steady-state training step per precision and mode.
+
+    Args:
+        model_fn: builds a fresh model; it is called under ``FakeTensorMode`` (build on
+            the CPU, as for a real run; do not load weights).
+        batch: a small real batch of the right shape (tensor or tuple of tensors); it is
+            copied to fake tensors.
+        loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
+        optimizer_fn: ``optimizer_fn(params) -> optimizer``; None estimates forward and
+            backward only.
+        device_memory: bytes available ("24GiB", "80GB", int); fills ``Estimate.fits``.
+        precisions: subset of fp32, bf16, fp16.
+        modes: subset of none, selective, full.
+
+    Returns:
+        An :class:`memfit.Estimate`.
+
+    Raises:
+        ConfigError: bad ``device_memory``, an unknown precision or mode, a model_fn that
+            does not return a module, or a batch that does not fit the model.
+    """
+    started = time.perf_counter()
+    memory = None if device_memory is None else parse_bytes(device_memory, what="device memory")
+    precisions, modes = list(precisions), list(modes)
+    bad = [p for p in precisions if p not in PRECISIONS] + [m for m in modes if m not in CHECKPOINT_MODES]
+    if bad or not precisions or not modes:
+        raise ConfigError(
+            f"cannot estimate {bad or 'nothing'}; precisions are {', '.join(PRECISIONS)} and "
+            f"modes are {', '.join(CHECKPOINT_MODES)}."
+        )
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake:
+        model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model_fn returned {type(model).__name__}; it must return an nn.Module.")
+        optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None
+    fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    blocks = find_blocks(model)
+    if not blocks:
+        modes = ["none"]
+    # NOTE: fp16 and bf16 have the same element size and autocast casts the same ops to
+    # either, so their memory is the same (loss scaling aside): fp16 is not run again.
+    derived = "fp16" in precisions and "bf16" in precisions
+    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
+    entries: list[EstimateEntry] = []
+    with fake:
+        model.train()
+        _warm_up(model, optimizer)
+        with batch_errors(model, batch):
+            fast = (
+                len(blocks) > 2
+                and identical(model, blocks)
+                and outputs_keep_shape(model, blocks[-1], fake_batch, loss_fn)
+            )
+        if fast:
+            profiles = fast_profiles(
+                model,
+                fake_batch,
+                loss_fn,
+                optimizer,
+                blocks,
+                run_precisions,
+                modes,
+                lambda p: _fake_precision(p, device),
+            )
+            for precision in run_precisions:
+                for mode in modes:
+                    sim = simulate(profiles[precision], mode)
+                    acts = profiles[precision].outside.saved_bytes[mode] + sum(
+                        b.saved_bytes[mode] for b in profiles[precision].blocks
+                    )
+                    entries.append(EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, acts))
+        else:
+            profiles = _direct(
+                model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device, entries
+            )
+        if derived:
+            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
+            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
+        rank = {p: i for i, p in enumerate(precisions)}
+        entries.sort(key=lambda e: rank[e.precision])
+    by_dtype = optimizer_state_bytes(optimizer)
+    for prof in profiles.values():
+        prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = dict(by_dtype)
+    return Estimate(
+        model=type(model).__name__,
+        param_count=sum(p.numel() for p in model.parameters()),
+        batch_size=batch_size(batch),
+        device=f"{device} (fake tensors)",
+        optimizer=type(optimizer).__name__ if optimizer is not None else "none",
+        entries=entries,
+        device_memory=memory,
+        assumptions=_assumptions(device, optimizer, blocks, fast, derived),
+        profiles=profiles,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def _direct(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    blocks: list[str],
+    precisions: list[str],
+    modes: list[str],
+    device: torch.device,
+    entries: list[EstimateEntry],
+) -> dict[str, Profile]:
+    """One full fake step per precision and mode (blocks that differ, or few blocks)."""
+    profiles = {}
+    opt_phase: StepMemory | None = None
+    for precision in precisions:
+        prec = _fake_precision(precision, device)
+        per_mode: dict[str, StepMemory] = {}
+        for mode in modes:
+            if blocks:
+                set_block_modes(model, {b: mode for b in blocks})
+            first = opt_phase is None
+            with batch_errors(model, batch):
+                mem = phased_step(model, batch, loss_fn, optimizer, prec, blocks, step_optimizer=first)
+            opt_phase = mem if first else opt_phase
+            per_mode[mode] = mem
+            entries.append(_entry(precision, mode, mem, opt_phase))
+        prof = profile_from_memory(model, blocks, per_mode, precision, batch_size(batch))
+        if opt_phase is not None:
+            prof.optimizer_temp_bytes = max(
+                0, opt_phase.phase_peaks.get("optimizer", 0) - opt_phase.backward_end
+            )
+        profiles[precision] = prof
+    return profiles
+
+
+def _assumptions(
+    device: torch.device, optimizer: Any, blocks: list[str], fast: bool, derived: bool
+) -> list[str]:
+    out = [
+        f"Counts are PyTorch's MemTracker bytes for the {device.type.upper()} kernels of this "
+        "machine (e.g. its attention kernel); a GPU adds allocator rounding, cuBLAS/cuDNN "
+        "workspaces and the CUDA context, typically a few hundred MiB.",
+        "Parameters and optimizer state are fp32 and every parameter is trained; bf16/fp16 "
+        "run under torch.autocast (weights cast per op), gradients are fp32.",
+        "fp16 loss scaling is left out (a few scalars); the batch is counted as the model's input.",
+        "One steady-state step: optimizer state exists, gradients are freed before the "
+        "forward (zero_grad(set_to_none=True)), no gradient accumulation.",
+    ]
+    if optimizer is not None:
+        state = "two fp32 moments" if "Adam" in type(optimizer).__name__ else "its state"
+        out.append(f"Optimizer: {type(optimizer).__name__} with {state} per parameter, as configured.")
+    else:
+        out.append("No optimizer: forward and backward only.")
+    if derived:
+        out.append(
+            "fp16 has bf16's element size and autocast op lists, so its numbers are bf16's "
+            "(fp16 was not run separately)."
+        )
+    if fast:
+        out.append(
+            f"The {len(blocks)} blocks are identical: two ran, the rest passed their input "
+            "through, and the peak adds up the per-block numbers (Profile's formula)."
+        )
+    if not blocks:
+        out.append("No repeated blocks were found, so only 'none' checkpointing is estimated.")
+    return out

@@ -1,0 +1,182 @@
+"""One training step's memory split into phases and blocks, from PyTorch's MemTracker.
+
+``measure`` reports one peak; profiling and estimating need to know where in the step
+memory is held: how much each block keeps from its forward to its backward, the transient
+peak inside each block's forward and backward, the part of the step outside the blocks,
+and the optimizer step. :func:`phased_step` runs the same :func:`memfit.step.training_step`
+under a :class:`~torch.distributed._tools.mem_tracker.MemTracker` (real or fake tensors)
+and reads those numbers from its per-module snapshots.
+
+Trade-off: the per-op bookkeeping costs time, so the tracker here replaces MemTracker's
+peak update (which visits every module ever seen, for every op: quadratic in model size)
+with one that visits only the modules running now; the numbers are the same.
+
+Example:
+    >>> import torch
+    >>> from memfit.precision import Precision
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> mem = phased_step(model, (x, x), gpt_loss, None, Precision("fp32"), ["blocks.0", "blocks.1"])
+    >>> mem.peak == max(mem.phase_peaks.values())
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from memfit.measuring.tracker import (
+    OUTSIDE_AFTER,
+    BlockMemory,
+    PhaseTracker,
+    block_memory,
+    breakdown_of,
+    device_of,
+    ignore_frozen_parameters,
+)
+from memfit.precision import Precision
+from memfit.step import Batch, LossFn, training_step
+
+__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "optimizer_state_bytes", "phased_step"]
+
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class StepMemory:
+    """Where one training step holds memory; every number is a MemTracker total in bytes."""
+
+    start: int
+    """Total when the step starts (gradients already freed): parameters, buffers, optimizer state."""
+    start_parts: dict[str, int]
+    """``start`` split into memfit's breakdown keys."""
+    forward_end: int
+    """Total when the loss is ready."""
+    backward_end: int
+    """Total after the last backward, before the optimizer step."""
+    peak: int
+    """Highest total of the step."""
+    breakdown: dict[str, int]
+    """The peak split into memfit's breakdown keys."""
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    """Highest total in each phase (forward, backward, optimizer)."""
+    phase_breakdowns: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Each phase's peak split into memfit's breakdown keys."""
+    blocks: list[BlockMemory] = field(default_factory=list)
+    """Per block, in forward order."""
+    outside_forward_peak: int = 0
+    """Highest (total - start - bytes kept by blocks whose forward finished) outside blocks in forward."""
+    outside_backward_peak: int = 0
+    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside
+    blocks in backward, before every block's backward is done (loss, head)."""
+    outside_after_blocks_peak: int = 0
+    """Highest (total - start - every block's grads) once every block's backward is done: the
+    backward of the part before the blocks (stem, embeddings)."""
+    early_grads: int = 0
+    """Gradient bytes that exist when the first block's backward (the last block) starts."""
+    saved: dict[str, int] = field(default_factory=dict)
+    """Per block: bytes it created in its forward that are still alive when the forward ends."""
+    outside_before_kept: int = 0
+    """Bytes alive when the forward ends that were not created by a block nor by the outside
+    after the last block (embedding outputs, the input batch)."""
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
+    """Bytes of the optimizer's state tensors by dtype name (``{"float32": ...}``)."""
+    out: dict[str, int] = {}
+    if optimizer is None:
+        return out
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                key = str(value.dtype).removeprefix("torch.")
+                out[key] = out.get(key, 0) + value.numel() * value.element_size()
+    return out
+
+
+def grad_bytes_of(module: nn.Module) -> int:
+    """Bytes of the gradients of ``module``'s trainable parameters (same dtype as the parameters)."""
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+
+
+def phased_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    blocks: list[str],
+    step_optimizer: bool = True,
+) -> StepMemory:
+    """Run one training step under MemTracker and return where it held memory.
+
+    Args:
+        model: the model (real or fake tensors), checkpointed as it should be measured.
+        batch: the batch; loss_fn: ``loss_fn(model, batch) -> scalar``.
+        optimizer: its state counts as held memory; its step is the third phase.
+        precision: the precision the step runs in.
+        blocks: qualified names of the blocks to report on, in forward order.
+        step_optimizer: False skips the optimizer step (its state is still counted), for
+            callers that already know the optimizer phase from an identical step.
+
+    Returns:
+        A :class:`StepMemory`.
+    """
+    device = device_of(model)
+    modules = {id(model.get_submodule(b)): b for b in blocks}
+    grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
+    tracker = PhaseTracker(device, modules, grads)
+    tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
+    ignore_frozen_parameters(tracker, model)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
+    marks: dict[str, int] = {}
+
+    def _after_forward() -> None:
+        marks["forward_end"] = tracker.total()
+        tracker.close_forward()
+        tracker.enter_phase("backward")
+
+    def _after_backward() -> None:
+        marks["backward_end"] = tracker.total()
+        tracker.enter_phase("optimizer")
+
+    with tracker:
+        start, start_parts = tracker.total(), tracker.current_parts()
+        tracker.enter_phase("forward")
+        training_step(
+            model,
+            batch,
+            loss_fn,
+            optimizer if step_optimizer else None,
+            precision,
+            after_forward=_after_forward,
+            after_backward=_after_backward,
+        )
+    block_mem = [block_memory(tracker, b, model.get_submodule(b)) for b in blocks]
+    peak_phase = max(tracker.phase_peak, key=lambda p: tracker.phase_peak[p])
+    return StepMemory(
+        start=start,
+        start_parts=start_parts,
+        forward_end=marks.get("forward_end", start),
+        backward_end=marks.get("backward_end", start),
+        peak=tracker.phase_peak[peak_phase],
+        breakdown=breakdown_of(tracker.phase_snap[peak_phase]),
+        phase_peaks=dict(tracker.phase_peak),
+        phase_breakdowns={p: breakdown_of(s) for p, s in tracker.phase_snap.items()},
+        blocks=block_mem,
+        outside_forward_peak=max(0, tracker.outside_peak["forward"]),
+        outside_backward_peak=max(0, tracker.outside_peak["backward"]),
+        outside_after_blocks_peak=max(0, tracker.outside_peak["after blocks"]),
+        early_grads=block_mem[-1].backward_grads if block_mem else 0,
+        saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
+        outside_before_kept=marks.get("forward_end", start)
+        - start
+        - sum(tracker.saved_alive.get(b, 0) for b in blocks)
+        - tracker.saved_alive.get(OUTSIDE_AFTER, 0),
+    )

@@ -1,0 +1,43 @@
+"""A decision the planner made: :class:`Plan` (plain data; ``memfit.apply`` acts on it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from memfit.errors import ConfigError
+from memfit.records.base import Record
+from memfit.vocab import normalize_modes
+
+__all__ = ["Plan"]
+
+
+@dataclass
+class Plan(Record):
+    """A decision: how to checkpoint each block, which precision, how many micro-batches.
+
+    A Plan is plain data; :func:`memfit.apply` is the only thing that acts on it.
+    """
+
+    blocks: dict[str, str]
+    """``{block name: "none" | "selective" | "full"}`` (``"keep"`` from older plans reads as ``"none"``)."""
+    precision: str = "fp32"
+    micro_batches: int = 1
+    predicted_peak_bytes: int = 0
+    predicted_step_seconds: float = 0.0
+    baseline_peak_bytes: int = 0
+    baseline_step_seconds: float = 0.0
+    budget_bytes: int = 0
+    measured_peak_bytes: int = 0
+    """The plan's peak as measured when it was made (0: not measured)."""
+    notes: list[str] = field(default_factory=list)
+    """What the user should know about the plan (e.g. BatchNorm sees micro-batches)."""
+
+    def __post_init__(self) -> None:
+        # NOTE: one spelling of the modes (memfit.vocab); plans saved with "keep" still load.
+        if not isinstance(self.blocks, Mapping):
+            raise ConfigError(
+                f"a plan's blocks must map block names to modes, got {type(self.blocks).__name__}; "
+                "make the plan again with memfit plan."
+            )
+        self.blocks = normalize_modes(self.blocks)

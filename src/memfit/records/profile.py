@@ -1,0 +1,147 @@
+"""Per-block costs of a training step, the planner's input: :class:`BlockStats` and :class:`Profile`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memfit.records.base import Record
+
+__all__ = ["BlockStats", "Profile"]
+
+
+@dataclass
+class BlockStats(Record):
+    """Measured costs of one block (or of everything outside the blocks).
+
+    Dicts are keyed by checkpointing mode (:data:`memfit.vocab.CHECKPOINT_MODES`); a number for mode
+    ``m`` was taken with *every* block in mode ``m``. Memory numbers are differences of
+    MemTracker totals (all categories) in bytes, so they add up; see :class:`Profile` for
+    how a simulator adds them up to the step's peak.
+
+    For a block:
+
+    - ``saved_bytes[m]``: bytes the block's forward created that are still alive when the
+      whole forward ends: what it keeps until its backward (for ``full``: its input; for
+      ``selective``: also matmul/attention/conv outputs; for ``none``: everything autograd
+      saves). Its output counts here when the next block keeps it.
+    - ``held_bytes[m]``: total when its forward returns minus total when it starts: the
+      saved bytes plus what it holds only until the forward ends (autocast's cached weight
+      casts, for example).
+    - ``forward_peak_bytes[m]``: highest total while its forward runs minus the total when
+      it starts (so at least ``held_bytes[m]``).
+    - ``backward_peak_bytes[m]``: highest total while its backward runs (recompute
+      included) minus what is kept then: parameters, optimizer state, the gradients that
+      exist when its backward starts, ``Profile.outside_before_kept_bytes`` and the saved
+      bytes of this block and every block before it. It covers the recomputed
+      activations, the incoming and outgoing activation gradients, its own parameter
+      gradients and weight-gradient temporaries.
+
+    For the outside part (everything not in a block: embeddings, final norm, head, loss):
+
+    - ``saved_bytes[m]``: activation total at the end of the forward minus the blocks'
+      ``saved_bytes[m]``: what the outside keeps for backward (with the batch input).
+    - ``forward_peak_bytes[m]``: highest (total - parameters and optimizer state - blocks'
+      held bytes of the blocks whose forward has finished) at any moment of the forward
+      outside every block: the loss and head transients on top of what the outside keeps.
+    - ``backward_peak_bytes[m]``: highest (total - parameters and optimizer state - saved
+      bytes of blocks not yet backwarded - gradients of blocks already backwarded) at any
+      moment of the backward outside every block before every block's backward is done
+      (loss, head); the part before the blocks (stem, embeddings), whose backward runs after
+      every block's, is ``Profile.outside_before_backward_bytes``.
+    """
+
+    name: str
+    param_bytes: int = 0
+    """Bytes of the parameters and buffers of this part."""
+    saved_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes the part keeps from its forward until its backward, per mode."""
+    backward_peak_bytes: dict[str, int] = field(default_factory=dict)
+    """Transient bytes above what is kept while its backward runs (recompute included)."""
+    forward_seconds: float = 0.0
+    """Median forward time (plain forward; the same in every mode)."""
+    backward_seconds: dict[str, float] = field(default_factory=dict)
+    """Median backward time per mode, recompute included."""
+    forward_flops: int = 0
+    """FLOPs of its forward (FlopCounterMode; ops it has no formula for count 0)."""
+    backward_flops: dict[str, int] = field(default_factory=dict)
+    """Backward FLOPs per mode, recompute included."""
+    grad_bytes: int = 0
+    """Bytes of its parameters' gradients (created during its backward, kept to the step)."""
+    forward_peak_bytes: dict[str, int] = field(default_factory=dict)
+    """Transient peak of its forward above the total when it started, per mode."""
+    forward_fixed_bytes: int = 0
+    """Part of ``forward_peak_bytes`` that does not shrink with micro-batches (FSDP2's
+    all-gathered parameters; 0 for a model on one process)."""
+    backward_fixed_bytes: int = 0
+    """Part of ``backward_peak_bytes``, beyond ``grad_bytes``, that does not shrink with
+    micro-batches (FSDP2's gathered parameters and whole gradients before reduce-scatter)."""
+    held_bytes: dict[str, int] = field(default_factory=dict)
+    """Bytes it holds when its forward returns (saved bytes + what the forward's end frees)."""
+
+
+@dataclass
+class Profile(Record):
+    """Per-block costs of one training step: the planner's input.
+
+    All bytes are MemTracker's counts on a CPU (CUDA allocator on a GPU for the measured
+    peak) for one steady-state step at ``batch_size`` in ``precision``. The step holds
+    ``fixed = param_bytes + optimizer_bytes`` throughout. With blocks ``0..n-1`` in forward
+    order, block ``i`` in mode ``m_i``, ``S(i) = sum(saved_bytes[m_j] for j <= i)``,
+    ``H(i) = sum(held_bytes[m_j] for j <= i)`` and
+    ``G(i) = early_grad_bytes + sum(grad_bytes of blocks j > i)``, the step's peak is the
+    largest of:
+
+    - forward of block i: ``fixed + outside_before_bytes + H(i-1) + forward_peak_bytes[m_i]``
+    - forward outside: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
+    - backward of block i: ``fixed + G(i) + outside_before_kept_bytes + S(i) + backward_peak_bytes[m_i]``
+    - backward outside: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
+    - backward before the blocks: ``fixed + G(-1) + outside_before_backward_bytes``
+    - optimizer step: ``fixed + grad_bytes + optimizer_temp_bytes``
+
+    :func:`memfit.stepmodel.simulate` implements this (with micro-batches too).
+
+    For a uniform mode this reproduces ``measured_peak_bytes`` (mode none) to within a few
+    bytes; the tests check it for every mode and for mixed modes.
+    """
+
+    precision: str
+    device: str
+    batch_size: int
+    blocks: list[BlockStats]
+    outside: BlockStats
+    param_bytes: int
+    """Parameters and buffers (held all step)."""
+    grad_bytes: int
+    """All parameter gradients at the end of the backward."""
+    optimizer_bytes: int
+    """Optimizer state (held all step; created by a warm-up step before measuring)."""
+    optimizer_temp_bytes: int
+    """Highest total during clipping and the optimizer step minus the total before it."""
+    optimizer: str = "none"
+    """The optimizer's class name, or ``none``."""
+    input_bytes: int = 0
+    """Bytes of the batch's tensors. MemTracker on a CPU counts the model's input tensor
+    (in ``outside_before_bytes``) but not tensors only the loss function reads."""
+    measured_peak_bytes: int = 0
+    """Peak of the model with no checkpointing, measured by :func:`memfit.measure`."""
+    step_seconds: float = 0.0
+    """Median step time of the model with no checkpointing."""
+    outside_before_bytes: int = 0
+    """What the outside part holds when the first block starts (embedding output, input);
+    kept until the embeddings' backward, after every block's backward."""
+    outside_before_kept_bytes: int = 0
+    """What the outside keeps for backward from before the blocks (embedding output, the
+    input): alive when the forward ends and freed only after every block's backward."""
+    early_grad_bytes: int = 0
+    """Parameter gradients that exist when the last block's backward starts (final norm,
+    head); tied weights accumulate later."""
+    outside_before_backward_bytes: int = 0
+    """Highest bytes above ``fixed``, ``early_grad_bytes`` and every block's gradients while
+    the part before the blocks (stem, embeddings) runs its backward, after every block's
+    backward: what it kept, the gradients it creates and its transients."""
+    activation_bytes: int = 0
+    """Activation total at the end of the forward with no checkpointing (blocks + outside)."""
+    notes: list[str] = field(default_factory=list)
+    """Caveats found while profiling (no blocks found, ops without FLOP formulas, ...)."""
+    optimizer_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
+    """The optimizer state split by dtype, e.g. ``{"float32": ...}`` (step counters included)."""

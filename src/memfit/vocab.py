@@ -1,0 +1,107 @@
+"""The words memfit's options are spelled with, defined once: precisions and checkpoint modes.
+
+Every module that takes a precision or a checkpointing mode (the planner, the estimate, the
+bench, the config, the CLI, the stability check) reads its list and its checks from here,
+so a new mode or precision is added in one place and refused with the same sentence
+everywhere.
+
+Trade-off: the names are ``Literal`` types for the type checker and plain strings at run
+time (configs, JSON plans and the command line hold strings); :func:`normalize_mode` and
+:func:`normalize_precision` are the one gate from a string to a checked name.
+
+Example:
+    >>> normalize_mode("keep")           # the spelling of plans saved before 0.2
+    'none'
+    >>> normalize_precision("auto", allow_auto=True)
+    'auto'
+    >>> PRECISIONS, CHECKPOINT_MODES
+    (('fp32', 'bf16', 'fp16'), ('none', 'selective', 'full'))
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Mapping
+from typing import Literal
+
+from memfit.errors import ConfigError
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "MIXED_PRECISIONS",
+    "PRECISIONS",
+    "PRECISION_CHOICES",
+    "STRATEGY_ORDER",
+    "CheckpointMode",
+    "PrecisionChoice",
+    "PrecisionName",
+    "normalize_mode",
+    "normalize_modes",
+    "normalize_precision",
+]
+
+#: A precision a step can run in: fp32, bf16 autocast, or fp16 autocast with loss scaling.
+PrecisionName = Literal["fp32", "bf16", "fp16"]
+#: A precision a user may ask for: one of :data:`PrecisionName` or ``auto`` (the device decides).
+PrecisionChoice = Literal["fp32", "bf16", "fp16", "auto"]
+#: How one block is checkpointed, from most memory and least compute to the reverse.
+CheckpointMode = Literal["none", "selective", "full"]
+
+PRECISIONS: tuple[PrecisionName, ...] = typing.get_args(PrecisionName)
+#: The mixed precisions (autocast dtypes), the ones a stability check compares with fp32.
+MIXED_PRECISIONS: tuple[PrecisionName, ...] = PRECISIONS[1:]
+PRECISION_CHOICES: tuple[PrecisionChoice, ...] = typing.get_args(PrecisionChoice)
+CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
+
+#: Strategies from fastest-looking to slowest-looking: lower precision first (tensor-core
+#: matmuls are 2-16x faster than fp32 on GPUs; bf16 needs no loss scaling), then less recompute.
+STRATEGY_ORDER: tuple[tuple[PrecisionName, CheckpointMode], ...] = tuple(
+    (p, m) for p in ("bf16", "fp16", "fp32") for m in CHECKPOINT_MODES
+)
+
+# NOTE: plans written before the vocabulary was unified called an unchanged block "keep".
+# It is still read (saved plan.json files keep working) and always written as "none".
+_OLD_MODE_SPELLINGS: dict[str, CheckpointMode] = {"keep": "none"}
+
+
+def normalize_mode(mode: object, what: str = "checkpointing mode") -> CheckpointMode:
+    """Check a checkpointing mode and return its one spelling (``keep`` reads as ``none``).
+
+    Raises:
+        ConfigError: ``mode`` is not one of :data:`CHECKPOINT_MODES`.
+    """
+    if isinstance(mode, str):
+        mode = _OLD_MODE_SPELLINGS.get(mode, mode)
+        if mode in CHECKPOINT_MODES:
+            return typing.cast(CheckpointMode, mode)
+    raise ConfigError(f"unknown {what} {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}.")
+
+
+def normalize_modes(modes: Mapping[str, object]) -> dict[str, str]:
+    """Check every value of ``{block: mode}``; the error names all unknown ones at once.
+
+    Raises:
+        ConfigError: some modes are not one of :data:`CHECKPOINT_MODES`.
+    """
+    bad = {n: m for n, m in modes.items() if not (isinstance(m, str) and _known_mode(m))}
+    if bad:
+        raise ConfigError(f"unknown checkpointing mode(s) {bad}; use one of {', '.join(CHECKPOINT_MODES)}.")
+    return {n: normalize_mode(m) for n, m in modes.items()}
+
+
+def _known_mode(mode: str) -> bool:
+    return _OLD_MODE_SPELLINGS.get(mode, mode) in CHECKPOINT_MODES
+
+
+def normalize_precision(
+    precision: object, allow_auto: bool = False, what: str = "precision"
+) -> PrecisionChoice:
+    """Check a precision name; ``auto`` is accepted only where the caller resolves it.
+
+    Raises:
+        ConfigError: ``precision`` is not a known name.
+    """
+    names: tuple[str, ...] = PRECISION_CHOICES if allow_auto else PRECISIONS
+    if isinstance(precision, str) and precision in names:
+        return typing.cast(PrecisionChoice, precision)
+    raise ConfigError(f"unknown {what} {precision!r}; use one of {', '.join(names)}.")

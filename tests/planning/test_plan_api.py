@@ -1,0 +1,163 @@
+"""plan_from_profiles (pure), apply, bad input and infeasible budgets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_gpt, token_batch
+
+import memfit
+from memfit.budget import format_bytes
+from memfit.checkpointing import checkpointed_blocks
+from memfit.planning.planner import plan_from_profiles
+from memfit.planning.solver import minimum_peak
+from memfit.records import BlockStats, Plan, Profile
+from memfit.stepmodel import simulate
+from memfit.train.gpt import gpt_loss
+
+
+def _profile(precision: str = "fp32", bytes_per: int = 4, seconds: float = 1.0, blocks: int = 4) -> Profile:
+    """A synthetic profile: every block keeps 1000*bytes_per bytes unless checkpointed."""
+    stats = [
+        BlockStats(
+            f"blocks.{i}",
+            param_bytes=400,
+            grad_bytes=400,
+            saved_bytes={"none": 1000 * bytes_per, "selective": 600 * bytes_per, "full": 100 * bytes_per},
+            backward_peak_bytes={"none": 800, "selective": 900, "full": 800 + 900 * bytes_per},
+            forward_seconds=seconds,
+            backward_seconds={"none": 2 * seconds, "selective": 2.3 * seconds, "full": 3 * seconds},
+        )
+        for i in range(blocks)
+    ]
+    return Profile(
+        precision=precision,
+        device="cpu",
+        batch_size=8,
+        blocks=stats,
+        outside=BlockStats("outside", saved_bytes={"none": 100}, backward_peak_bytes={"none": 100}),
+        param_bytes=2000,
+        grad_bytes=2000,
+        optimizer_bytes=4000,
+        optimizer_temp_bytes=500,
+        optimizer="AdamW",
+        step_seconds=14 * seconds,
+    )
+
+
+def _peak(prof: Profile, modes: str, micro: int = 1) -> int:
+    return simulate(prof, [modes] * len(prof.blocks), micro).peak_bytes
+
+
+def test_roomy_budget_keeps_everything() -> None:
+    prof = _profile()
+    plan = plan_from_profiles({"fp32": prof}, _peak(prof, "none"))
+    assert set(plan.blocks.values()) == {"none"}
+    assert plan.micro_batches == 1 and plan.predicted_peak_bytes == _peak(prof, "none")
+
+
+def test_tighter_budgets_checkpoint_more_and_cost_more() -> None:
+    prof = _profile()
+    lo, hi = _peak(prof, "full"), _peak(prof, "none")
+    plans = [plan_from_profiles({"fp32": prof}, int(lo + f * (hi - lo))) for f in (1.0, 0.6, 0.3, 0.0)]
+    times = [p.predicted_step_seconds for p in plans]
+    assert times == sorted(times) and times[0] < times[-1]
+    for p in plans:
+        assert p.predicted_peak_bytes <= p.budget_bytes
+    assert set(plans[0].blocks.values()) == {"none"}
+    assert list(plans[-1].blocks.values()).count("full") >= 2
+
+
+def test_micro_batches_only_when_full_checkpointing_does_not_fit() -> None:
+    prof = _profile()
+    full = _peak(prof, "full")
+    assert plan_from_profiles({"fp32": prof}, full).micro_batches == 1
+    plan = plan_from_profiles({"fp32": prof}, full - 1)
+    assert plan.micro_batches > 1
+    assert plan.predicted_peak_bytes <= full - 1
+    assert (
+        plan.predicted_peak_bytes == simulate(prof, list(plan.blocks.values()), plan.micro_batches).peak_bytes
+    )
+
+
+def test_precision_chosen_by_time_among_those_that_fit() -> None:
+    fp32 = _profile("fp32", bytes_per=4, seconds=1.0)
+    slow_bf16 = _profile("bf16", bytes_per=2, seconds=20.0)  # emulated: smaller, much slower
+    fast_bf16 = _profile("bf16", bytes_per=2, seconds=0.5)  # native: smaller and faster
+    roomy = _peak(fp32, "none")
+    assert plan_from_profiles({"fp32": fp32, "bf16": slow_bf16}, roomy).precision == "fp32"
+    assert plan_from_profiles({"fp32": fp32, "bf16": fast_bf16}, roomy).precision == "bf16"
+    # fp32 needs checkpointing at this budget, and the slow bf16 is still slower: fp32 + checkpointing.
+    tight = _peak(fp32, "selective")
+    chosen = plan_from_profiles({"fp32": fp32, "bf16": slow_bf16}, tight)
+    assert chosen.precision == "fp32" and set(chosen.blocks.values()) != {"none"}
+    # Only bf16 fits without micro-batching.
+    only_bf16 = _peak(slow_bf16, "full")
+    assert only_bf16 < _peak(fp32, "full")
+    chosen = plan_from_profiles({"fp32": fp32, "bf16": slow_bf16}, only_bf16)
+    assert (chosen.precision, chosen.micro_batches) == ("bf16", 1)
+
+
+def test_infeasible_budget_says_what_dominates() -> None:
+    prof = _profile()
+    state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
+    assert prof.optimizer_temp_bytes > 0
+    with pytest.raises(memfit.InfeasibleBudget) as info:
+        plan_from_profiles({"fp32": prof}, state - 1)
+    # What every step holds, without the optimizer step's temporaries.
+    assert f"parameters + gradients + AdamW state alone take {format_bytes(state)};" in str(info.value)
+    assert info.value.minimum_bytes > info.value.budget_bytes == state - 1
+    with pytest.raises(memfit.InfeasibleBudget) as info:
+        plan_from_profiles({"fp32": prof}, state + prof.optimizer_temp_bytes - 1)
+    assert f"AdamW state take {format_bytes(state)} and the optimizer step" in str(info.value)
+    assert "alone" not in str(info.value)
+    smallest = minimum_peak(prof, 8).peak_bytes
+    with pytest.raises(memfit.InfeasibleBudget) as info:
+        plan_from_profiles({"fp32": prof}, smallest - 1)
+    assert info.value.minimum_bytes == smallest
+    assert "8 micro-batch" in str(info.value) and "activations" in str(info.value)
+
+
+def test_plan_json_round_trip() -> None:
+    prof = _profile()
+    plan = plan_from_profiles({"fp32": prof}, _peak(prof, "selective"), 123, 1.5)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_apply_sets_modes_and_refuses_other_models() -> None:
+    model = tiny_gpt(n_layer=2)
+    memfit.apply(model, Plan(blocks={"blocks.0": "full", "blocks.1": "keep"}))
+    assert checkpointed_blocks(model) == {"blocks.0": "full"}
+    memfit.apply(model, Plan(blocks={"blocks.1": "selective"}))
+    assert checkpointed_blocks(model) == {"blocks.1": "selective"}
+    with pytest.raises(memfit.errors.ConfigError, match=r"'layers\.0', 'blocks\.7'"):
+        memfit.apply(model, Plan(blocks={"layers.0": "full", "blocks.7": "full", "blocks.0": "keep"}))
+    assert checkpointed_blocks(model) == {"blocks.1": "selective"}  # nothing changed
+    with pytest.raises(memfit.errors.ConfigError, match="use one of none, selective, full"):
+        memfit.apply(model, Plan(blocks={"blocks.0": "sometimes"}))
+
+
+@pytest.mark.parametrize("budget", ["abc", "-1GB", "150%", 0, "0%"])
+def test_bad_budgets_are_refused(budget: object) -> None:
+    model = tiny_gpt(n_layer=2)
+    prof = _profile()
+    with pytest.raises(memfit.errors.ConfigError):
+        memfit.plan(model, token_batch(2, 16), gpt_loss, budget, profiles={"fp32": prof}, precision="fp32")  # type: ignore[arg-type]
+
+
+def test_bad_precision_is_refused() -> None:
+    model = tiny_gpt(n_layer=2)
+    with pytest.raises(memfit.errors.UnsupportedPrecision):
+        memfit.plan(model, token_batch(2, 16), gpt_loss, "1GiB", precision=["fp32", "fp8"])
+
+
+def test_plan_leaves_the_model_as_it_was() -> None:
+    model = tiny_gpt(n_layer=2)
+    memfit.checkpoint(model, blocks=["blocks.1"], mode="selective")
+    opt = torch.optim.AdamW(model.parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = memfit.plan(model, token_batch(4, 16), gpt_loss, "90%", opt, precision="fp32")
+    assert checkpointed_blocks(model) == {"blocks.1": "selective"}
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert 0 < plan.measured_peak_bytes <= plan.budget_bytes

@@ -1,0 +1,158 @@
+"""The house rules of docs/ARCHITECTURE.md, checked over the source with the standard library's ast.
+
+No import cycles between memfit's modules, no module importing a private name (or a private
+module) from another, modules under 350 lines, at most 20 top-level names, and the
+precision and mode names spelled out once (in memfit/vocab.py).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import memfit
+from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
+#: The longest a module may be (the issue's bound; most are under 300).
+MAX_LINES = 350
+#: The most names the top-level package exports.
+MAX_PUBLIC = 20
+# NOTE: being removed on its own branch (issue 15: the Trainer owns its state and
+# train/run.py is split). A test fails as soon as one of them is gone and still listed, so
+# the lists only shrink.
+_PENDING_CYCLES = [
+    ["memfit.train.callbacks", "memfit.train.sharded_state", "memfit.train.state", "memfit.train.trainer"],
+]
+_PENDING_LONG = {"memfit.train.run", "memfit.train.trainer"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+def _target(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> list[tuple[str, str]]:
+    """(module imported, name imported) for every memfit import in ``path``, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "memfit":
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.append((full if full in modules else node.module, alias.name))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, "") for a in node.names if a.name.split(".")[0] == "memfit"]
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        for imported, _ in _imports(path, modules):
+            target = _target(imported, modules)
+            if target and target != mod and not mod.startswith(target + "."):
+                graph[mod].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_has_no_cycles() -> None:
+    assert _cycles(_graph()) == _PENDING_CYCLES
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_module_imports_a_private_name_from_another() -> None:
+    modules = _modules()
+    private = []
+    for mod, path in modules.items():
+        for imported, name in _imports(path, modules):
+            hidden = [p for p in imported.split(".") if p.startswith("_") and p != "__init__"]
+            if (name.startswith("_") or hidden) and _target(imported, modules) != mod:
+                private.append(f"{mod} imports {name or imported} from {imported}")
+    assert private == []
+
+
+def test_modules_stay_small() -> None:
+    long = {m for m, p in _modules().items() if len(p.read_text().splitlines()) > MAX_LINES}
+    assert long == _PENDING_LONG
+
+
+def test_the_top_level_exports_few_names_and_none_shadows_a_subpackage() -> None:
+    assert len(memfit.__all__) <= MAX_PUBLIC
+    assert all(hasattr(memfit, n) for n in memfit.__all__)
+    subpackages = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert subpackages.isdisjoint(memfit.__all__)
+
+
+def _name_lists(path: Path) -> list[tuple[str, ...]]:
+    """Tuple and list literals made only of string constants."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        strings = isinstance(node, ast.Tuple | ast.List) and all(
+            isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+        )
+        if strings and node.elts:  # type: ignore[attr-defined]
+            found.append(tuple(e.value for e in node.elts))  # type: ignore[attr-defined]
+    return found
+
+
+def test_precision_and_mode_names_are_spelled_out_once() -> None:
+    """A literal list of two or more precisions, or of checkpoint modes, appears only in vocab.py."""
+    vocabularies = [set(PRECISIONS), set(CHECKPOINT_MODES)]
+    spelled = [
+        f"{p.relative_to(SRC)}: {names}"
+        for p in SRC.rglob("*.py")
+        if p.name != "vocab.py"
+        for names in _name_lists(p)
+        if any(len(set(names)) >= 2 and set(names) <= vocab for vocab in vocabularies)
+    ]
+    assert spelled == []
