@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -76,10 +77,8 @@ _COPIES: weakref.WeakKeyDictionary[nn.Module, set[str]] = weakref.WeakKeyDiction
 
 
 def copies_made(module: nn.Module, clear: bool = False) -> set[str]:
-    """What checkpointed calls of ``module`` copied because an in-place op wrote to it.
-
-    ``{"its input"}`` and/or ``{"the output of convolution that selective keeps"}``-style
-    phrases; empty when the block never wrote to what its recompute needs.
+    """What checkpointed calls of ``module`` copied because an in-place op wrote to it:
+    phrases such as ``"its input"``; empty when the block never wrote to what it needs.
 
     Example:
         >>> copies_made(nn.Linear(2, 2))
@@ -128,25 +127,17 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
-def _batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-
-
 @contextlib.contextmanager
 def _keep_running_stats(module: nn.Module) -> Iterator[None]:
     """BatchNorm running statistics are put back after the recompute, which updated them again."""
-    saved = [(b, [(buf, buf.clone()) for buf in b.buffers()]) for b in _batchnorms(module)]
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
+    saved = [(buf, buf.clone()) for m in norms for buf in m.buffers()]
     try:
         yield
     finally:
         with torch.no_grad():
-            for _, buffers in saved:
-                for buf, old in buffers:
-                    buf.copy_(old)
+            for buf, old in saved:
+                buf.copy_(old)
 
 
 class _BlockCall:
@@ -297,17 +288,6 @@ def run_checkpointed(
         What the block's forward returns.
     """
     call = _BlockCall(inner, module, mode, args, kwargs)
-    sac: list[Any] = []
-
-    def contexts() -> tuple[Any, Any]:
-        # context_fn: PyTorch enters the first context around the forward and the second
-        # around the recompute (with the forward's RNG and autocast state restored).
-        if call.selective:
-            sac[:] = _ckpt.create_selective_checkpoint_contexts(
-                _selective_policy, allow_cache_entry_mutation=True
-            )
-        return _forward(call, sac), _recompute(call, sac)
-
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:
         device = next((p.device for p in module.parameters()), torch.device("cpu"))
@@ -315,27 +295,51 @@ def run_checkpointed(
     # arguments (it would refuse inputs the block itself overwrote). An empty tensor on the
     # inputs' device still tells checkpoint which device's RNG and autocast state to replay.
     anchor = torch.empty(0, device=device)
-    return _ckpt.checkpoint(call, anchor, use_reentrant=False, preserve_rng_state=True, context_fn=contexts)
+    return _ckpt.checkpoint(
+        call,
+        anchor,
+        use_reentrant=False,
+        preserve_rng_state=True,
+        context_fn=functools.partial(_contexts, call),
+    )
+
+
+def _contexts(call: _BlockCall) -> tuple[Any, Any]:
+    """``context_fn``: PyTorch enters the first context around the forward and the second
+    around the recompute in backward (with the forward's RNG and autocast state restored).
+
+    # NOTE: how the contexts stack. Dispatch modes stack: the one entered last sees each op
+    # first, and what it passes on (``func(*args)``) reaches the next one down.
+    #   forward    _Watch, then SAC's caching mode (selective only): SAC decides what to keep
+    #              and passes every op down to the watch, which sees them in SAC's order,
+    #              copies what an in-place op is about to overwrite, and whose copies SAC
+    #              never sees (nor counts).
+    #   recompute  the version check and grad-requiring copies (before any mode), BatchNorm
+    #              statistics put back afterwards, SAC's cached mode, then _Replay on top: it
+    #              sees each op first and swaps a copy-on-write copy in for what SAC returns.
+    # Full checkpointing uses the same contexts without the SAC modes and _Replay.
+    """
+    if not call.selective:
+        return _forward(call, None), _recompute(call, None)
+    caching, cached = _ckpt.create_selective_checkpoint_contexts(
+        _selective_policy, allow_cache_entry_mutation=True
+    )
+    return _forward(call, caching), _recompute(call, cached)
 
 
 @contextlib.contextmanager
-def _forward(call: _BlockCall, sac: list[Any]) -> Iterator[None]:
-    # NOTE: modes stack; the one entered last sees each op first. The watch is entered before
-    # SAC's caching mode, so it sees exactly the ops SAC passes down, counts them in the same
-    # order, and SAC never sees (nor counts) the copies the watch makes.
-    with _Watch(call), sac[0] if sac else contextlib.nullcontext():
+def _forward(call: _BlockCall, caching: Any) -> Iterator[None]:
+    with _Watch(call), caching if caching is not None else contextlib.nullcontext():
         yield
     call.after_forward()
 
 
 @contextlib.contextmanager
-def _recompute(call: _BlockCall, sac: list[Any]) -> Iterator[None]:
+def _recompute(call: _BlockCall, cached: Any) -> Iterator[None]:
     call.before_recompute()
-    # NOTE: here the replay mode is entered after SAC's cached mode, so it sees each op first
-    # and can swap in the copy-on-write copy for what SAC returns.
     with _keep_running_stats(call.module):
-        if sac:
-            with sac[1], _Replay(call):
-                yield
-        else:
+        if cached is None:
             yield
+        else:
+            with cached, _Replay(call):
+                yield
