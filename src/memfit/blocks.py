@@ -71,7 +71,6 @@ class _Tree:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
         self.params: dict[int, int] = {}
         self.height: dict[int, int] = {}
         self._measure(model)

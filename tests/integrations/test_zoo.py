@@ -24,6 +24,7 @@ import torch
 from zoo import Entry, all_entries
 
 import memfit
+from memfit.checkpointing import checkpointed_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -87,7 +88,7 @@ def test_checkpointing_is_exact(entry: Entry, variant: str) -> None:
     model = copy.deepcopy(fresh)
     keys = list(model.state_dict())
     memfit.checkpoint(model, **VARIANTS[variant])
-    assert memfit.checkpointed_blocks(model), "nothing was checkpointed"
+    assert checkpointed_blocks(model), "nothing was checkpointed"
     assert list(model.state_dict()) == keys
     loss, grads, buffers = _step(model, entry, batch)
     torch.testing.assert_close(loss, ref_loss, **TOL)
