@@ -25,30 +25,38 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.blocks import find_blocks, resolve_blocks
 from memfit.errors import ConfigError
 from memfit.forward_layers import forward_layers, set_forward_layer
 from memfit.hf_probe import hf_checkpointing_active, without_caches
 from memfit.recompute import run_checkpointed
+from memfit.selective import keep_running_stats, selective_policy, selective_saves
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
+    "LAYER_TAG",
     "checkpoint",
+    "checkpoint_contexts",
     "checkpointed_blocks",
     "find_blocks",
     "refuse_double_checkpointing",
+    "selective_saves",
     "set_block_modes",
     "uncheckpoint",
 ]
 
 _TAG = "checkpoint"
+#: The forward layer (:mod:`memfit.forward_layers`) that checkpointing, segments included, installs.
+LAYER_TAG = _TAG
 
 _log = logging.getLogger("memfit")
 _TOLD: set[type] = set()
@@ -72,6 +80,24 @@ def _checkpointed_forward(
     # records the autocast state, so the recompute runs at the forward's precision;
     # run_checkpointed makes the recompute start from what the forward started from.
     return run_checkpointed(inner, module, mode, args, kwargs)
+
+
+def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
+    """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
+    (segments): selective's policy for ``selective``, BatchNorm running statistics kept
+    through the recompute. Unlike a block's own checkpoint (:mod:`memfit.recompute`), they
+    make no copies for in-place writes."""
+    if mode == "selective":
+        fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+    else:
+        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    return fwd, _with(keep_running_stats(module), rec)
+
+
+@contextlib.contextmanager
+def _with(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def refuse_double_checkpointing(model: nn.Module) -> None:

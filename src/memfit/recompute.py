@@ -46,30 +46,12 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["SAVE_OPS", "copies_made", "run_checkpointed"]
+from memfit.selective import keep_running_stats, selective_policy, selective_saves
 
-_aten = torch.ops.aten
-# NOTE: selective checkpointing keeps the outputs of the ops whose recompute is expensive
-# (matmuls, attention kernels, convolutions) and recomputes everything else. Norms,
-# activations and elementwise ops are memory-bound: recomputing them costs little time but
-# their outputs are as large as a matmul's. This is the policy torchtitan and the PyTorch
-# SAC docs use for transformer blocks; listed by OpOverloadPacket so every overload counts.
-SAVE_OPS = {
-    _aten.mm,
-    _aten.addmm,
-    _aten.bmm,
-    _aten.baddbmm,
-    _aten.convolution,
-    _aten._scaled_dot_product_flash_attention,
-    _aten._scaled_dot_product_efficient_attention,
-    _aten._scaled_dot_product_cudnn_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu,
-}
-if hasattr(_aten, "_scaled_mm"):
-    SAVE_OPS.add(_aten._scaled_mm)
+__all__ = ["copies_made", "run_checkpointed"]
 
 #: Ops SAC does not count (forward and recompute run different numbers of them).
-_IGNORED: frozenset[Any] = frozenset(getattr(_ckpt, "SAC_IGNORED_OPS", {_aten.detach.default}))
+_IGNORED: frozenset[Any] = frozenset(getattr(_ckpt, "SAC_IGNORED_OPS", {torch.ops.aten.detach.default}))
 _WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}
 _Key = tuple[Any, int]
 #: What checkpointed calls of each block had to copy for their recompute (see copies_made).
@@ -88,14 +70,6 @@ def copies_made(module: nn.Module, clear: bool = False) -> set[str]:
     if clear:
         _COPIES.pop(module, None)
     return found
-
-
-def _saves(func: Any) -> bool:
-    return getattr(func, "overloadpacket", func) in SAVE_OPS
-
-
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.CheckpointPolicy:
-    return _ckpt.CheckpointPolicy.MUST_SAVE if _saves(func) else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _written(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
@@ -125,19 +99,6 @@ def _storage(t: torch.Tensor) -> int | None:
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
-
-
-@contextlib.contextmanager
-def _keep_running_stats(module: nn.Module) -> Iterator[None]:
-    """BatchNorm running statistics are put back after the recompute, which updated them again."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    saved = [(buf, buf.clone()) for m in norms for buf in m.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, old in saved:
-                buf.copy_(old)
 
 
 class _BlockCall:
@@ -251,7 +212,7 @@ class _Watch(TorchDispatchMode):
         if call.selective and func not in _IGNORED:
             n = self.count[func]
             self.count[func] = n + 1
-            if _saves(func):
+            if selective_saves(func):
                 call.keep((func, n), out)
         return out
 
@@ -322,7 +283,7 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     if not call.selective:
         return _forward(call, None), _recompute(call, None)
     caching, cached = _ckpt.create_selective_checkpoint_contexts(
-        _selective_policy, allow_cache_entry_mutation=True
+        selective_policy, allow_cache_entry_mutation=True
     )
     return _forward(call, caching), _recompute(call, cached)
 
@@ -337,7 +298,7 @@ def _forward(call: _BlockCall, caching: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _recompute(call: _BlockCall, cached: Any) -> Iterator[None]:
     call.before_recompute()
-    with _keep_running_stats(call.module):
+    with keep_running_stats(call.module):
         if cached is None:
             yield
         else:

@@ -24,11 +24,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.measuring.flops import counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,
     BlockMemory,
@@ -36,7 +39,6 @@ from memfit.measuring.tracker import (
     block_memory,
     breakdown_of,
     device_of,
-    ignore_frozen_parameters,
 )
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, training_step
@@ -71,11 +73,7 @@ class StepMemory:
     outside_forward_peak: int = 0
     """Highest (total - start - bytes kept by blocks whose forward finished) outside blocks in forward."""
     outside_backward_peak: int = 0
-    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside
-    blocks in backward, before every block's backward is done (loss, head)."""
-    outside_after_blocks_peak: int = 0
-    """Highest (total - start - every block's grads) once every block's backward is done: the
-    backward of the part before the blocks (stem, embeddings)."""
+    """Highest (total - start - bytes kept by blocks not yet backwarded - their grads) outside blocks."""
     early_grads: int = 0
     """Gradient bytes that exist when the first block's backward (the last block) starts."""
     saved: dict[str, int] = field(default_factory=dict)
@@ -83,6 +81,20 @@ class StepMemory:
     outside_before_kept: int = 0
     """Bytes alive when the forward ends that were not created by a block nor by the outside
     after the last block (embedding outputs, the input batch)."""
+    outside_forward_before_peak: int = 0
+    """Highest (total - start) in the forward before the first block (stem, embeddings)."""
+    outside_backward_before_peak: int = 0
+    """Highest (total - start - blocks' gradients) after every block's backward (stem's backward)."""
+    ops: dict[str, int] = field(default_factory=dict)
+    """Per block (and outside key): aten ops its forward dispatched."""
+    allocated: dict[str, int] = field(default_factory=dict)
+    """Per block (and outside key): bytes of the storages its forward created."""
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    """Per block: bytes of its output still alive when the forward ends."""
+    forward_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
+    """FlopCounterMode's counts when the forward ended (empty unless asked for)."""
+    total_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
+    """FlopCounterMode's counts when the step ended (empty unless asked for)."""
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -111,6 +123,7 @@ def phased_step(
     precision: Precision,
     blocks: list[str],
     step_optimizer: bool = True,
+    count_flops: bool = False,
 ) -> StepMemory:
     """Run one training step under MemTracker and return where it held memory.
 
@@ -122,6 +135,8 @@ def phased_step(
         blocks: qualified names of the blocks to report on, in forward order.
         step_optimizer: False skips the optimizer step (its state is still counted), for
             callers that already know the optimizer phase from an identical step.
+        count_flops: also count FLOPs with FlopCounterMode (it only observes: the bytes are
+            the same).
 
     Returns:
         A :class:`StepMemory`.
@@ -131,13 +146,16 @@ def phased_step(
     grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
     tracker = PhaseTracker(device, modules, grads)
     tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
-    ignore_frozen_parameters(tracker, model)
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     marks: dict[str, int] = {}
+    counter = flop_counter() if count_flops else None
+    flops: dict[str, dict[str, dict[Any, int]]] = {}
 
     def _after_forward() -> None:
+        if counter is not None:
+            flops["forward"] = counts(counter)
         marks["forward_end"] = tracker.total()
         tracker.close_forward()
         tracker.enter_phase("backward")
@@ -146,7 +164,7 @@ def phased_step(
         marks["backward_end"] = tracker.total()
         tracker.enter_phase("optimizer")
 
-    with tracker:
+    with tracker, counter if counter is not None else contextlib.nullcontext():
         start, start_parts = tracker.total(), tracker.current_parts()
         tracker.enter_phase("forward")
         training_step(
@@ -172,7 +190,13 @@ def phased_step(
         blocks=block_mem,
         outside_forward_peak=max(0, tracker.outside_peak["forward"]),
         outside_backward_peak=max(0, tracker.outside_peak["backward"]),
-        outside_after_blocks_peak=max(0, tracker.outside_peak["after blocks"]),
+        outside_forward_before_peak=max(0, tracker.outside_peak["forward_before"]),
+        outside_backward_before_peak=max(0, tracker.outside_peak["backward_before"]),
+        ops=dict(tracker.ops),
+        allocated=dict(tracker.allocated),
+        output_bytes=dict(tracker.output_bytes),
+        forward_flops=flops.get("forward", {}),
+        total_flops=counts(counter) if counter is not None else {},
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
         saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
         outside_before_kept=marks.get("forward_end", start)

@@ -93,5 +93,8 @@ def shard_profile(profile: Profile, world_size: int) -> Profile:
         new.backward_fixed_bytes = block.backward_fixed_bytes + added + g - new.grad_bytes
         new.param_bytes = _shard(p, w)
         previous = p
+    # NOTE: a segment recomputes several FSDP2 units in one backward step, gathering all their
+    # parameters at once; the rules above do not model that, so sharded plans use none.
+    out.chain_links = []
     out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"]
     return out
