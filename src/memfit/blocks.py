@@ -75,6 +75,7 @@ class _Tree:
         self.height: dict[int, int] = {}
         self._measure(model)
         self.opaque: set[int] = set()
+        self.attributes: set[int] = set()  # modules held as plain attributes, not in a container
         self._seq: dict[int, list[nn.Module]] = {}
         self.roots = {id(m) for m in model.modules() if not _generic(m) or m is model}
 
@@ -99,6 +100,8 @@ class _Tree:
         while i < len(children):
             c = children[i]
             if not _generic(c):
+                if not _generic(m):
+                    self.attributes.add(id(c))
                 yield c
                 i += 1
                 continue
@@ -141,6 +144,10 @@ def _candidates(tree: _Tree) -> tuple[set[Any], set[Any]]:
     found: dict[Any, list[nn.Module]] = {}
     for items in tree.sequences():
         for run in _runs(items):
+            # NOTE: two bare layers side by side as attributes (``self.fc1``, ``self.fc2``) are
+            # a model's own layers, not repeated blocks; in a container they may be.
+            if all(tree.height[id(m)] == 0 and id(m) in tree.attributes for m in run):
+                continue
             found.setdefault(_kind_key(run[0]), []).extend(run)
     if not found:
         return set(), set()
