@@ -42,6 +42,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from memfit.checkpointing import LAYER_TAG, checkpoint_contexts, refuse_double_checkpointing
 from memfit.errors import ConfigError
 from memfit.forward_layers import forward_layers, set_forward_layer
+from memfit.hf_probe import without_caches
 
 __all__ = ["ChainProbe", "applied_segments", "chain_probe", "set_segments"]
 
@@ -91,15 +92,19 @@ def _head(
     if not torch.is_grad_enabled() or not args:
         seg.clear()  # nothing to save for a backward: every block runs as it is
         return inner(*args, **kwargs)
+    # NOTE: Hugging Face caches off while training, as for a block checkpointed alone
+    # (memfit.hf_probe): the recompute would append to them again. The later blocks are
+    # still matched against the arguments the model passed.
+    run_args, run_kwargs, _ = without_caches(args, kwargs)
     out = torch_checkpoint(
         _chain,
         inner,
         seg,
-        *args,
+        *run_args,
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=lambda: _contexts(seg),
-        **kwargs,
+        **run_kwargs,
     )
     seg.active, seg.next, seg.output, seg.rest, seg.kwargs = True, 1, out, args[1:], dict(kwargs)
     return out

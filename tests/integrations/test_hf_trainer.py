@@ -119,11 +119,6 @@ def test_conflicting_arguments_are_named(tmp_path: Path, kw: dict[str, object], 
         prepare(_gpt2(), _args(tmp_path, **kw), _dataset(8), budget="60%")
 
 
-# NOTE: selective checkpointing of a GPT-2 block with use_cache on needs issue 11's fix
-# (checkpointed Hugging Face blocks run without a cache); strict: remove this mark with it.
-@pytest.mark.xfail(
-    raises=RuntimeError, strict=True, reason="GPT-2, use_cache=True, selective checkpointing: issue 11"
-)
 def test_own_loop_on_default_gpt2_equals_trainer_and_fits(tmp_path: Path) -> None:
     """prepare + train_step on GPT-2 with its default config (use_cache on, dropout on)."""
     g = torch.Generator().manual_seed(5)

@@ -31,8 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.checkpointing import checkpointed_blocks, hf_checkpointing_active
+from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
+from memfit.hf_probe import hf_checkpointing_active
 
 __all__ = [
     "build_hf_causal_lm",

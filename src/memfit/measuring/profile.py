@@ -44,6 +44,7 @@ from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_mod
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.flops import BlockFlops, block_flops
+from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
@@ -83,6 +84,7 @@ class Profiler:
         )
         self.blocks = find_blocks(model)
         self.memory: dict[str, StepMemory] = {}
+        self.copied: dict[str, dict[str, set[str]]] = {}  # per mode and block: what in-place writes copied
         self.stand_in: dict[str, str] = {}
         self.links: list[bool] = []
         self.flops: dict[str, BlockFlops] = {}
@@ -160,15 +162,16 @@ class Profiler:
         with skipping(self.model, list(self.stand_in)):
             for mode in modes:
                 set_block_modes(self.model, {b: mode for b in active})
-                self.memory[mode] = phased_step(
-                    self.model,
-                    self.batch,
-                    self.loss_fn,
-                    self.optimizer,
-                    self.precision,
-                    active,
-                    step_optimizer=False,
-                )
+                with watch_copies(self.model, active, self.copied.setdefault(mode, {})):
+                    self.memory[mode] = phased_step(
+                        self.model,
+                        self.batch,
+                        self.loss_fn,
+                        self.optimizer,
+                        self.precision,
+                        active,
+                        step_optimizer=False,
+                    )
         uncheckpoint(self.model)
         if modes:
             self.measured.append(
@@ -267,6 +270,7 @@ class Profiler:
                 self._fit_selective(prof, sp)
             fill_times(prof)
         prof.notes = ([time_note(prof)] if prof.speed is not None else []) + list(self.notes())
+        prof.notes += inplace_notes(self.copied, self.stand_in, self.blocks)
         return prof
 
     def _fit_selective(self, prof: Profile, sp: Speed) -> None:

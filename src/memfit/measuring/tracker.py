@@ -1,12 +1,11 @@
 """Every use of PyTorch's private memory-tracker internals, in one module.
 
 memfit counts bytes with ``torch.distributed._tools.mem_tracker.MemTracker`` (and
-``FSDPMemTracker`` for FSDP2 models): exact, repeatable counts by category on any device,
-real or fake tensors. Reading phases and per-block numbers out of it needs some of its
-private names (snapshot keys, module states, the storage walk). They are all here, so a
-PyTorch upgrade that moves them breaks one file, and the rest of memfit talks to the
-tracker through :class:`MemoryWatch`, :class:`PhaseTracker`, :func:`breakdown_of` and
-:func:`block_memory`.
+``FSDPMemTracker`` for FSDP2 models): exact counts by category, real or fake tensors.
+Phases and per-block numbers need its private names (snapshot keys, module states, the
+storage walk, its hook handles); they are all here, so a PyTorch upgrade that moves them
+breaks one file. The rest of memfit uses :class:`MemoryWatch`, :class:`PhaseTracker`,
+:func:`breakdown_of` and :func:`block_memory`.
 
 Trade-off: subclassing a private class is brittle across PyTorch releases; the tests of
 measure, profile and estimate exercise every method here against the pinned torch.
@@ -22,9 +21,9 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,6 +43,7 @@ __all__ = [
     "is_fsdp",
 ]
 
+_NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 #: Owners of storages the forward creates outside every block: before the first, after the last.
 OUTSIDE_BEFORE, OUTSIDE_AFTER = "<outside before>", "<outside after>"
 
@@ -65,10 +65,7 @@ def fsdp_breakdown_of(snapshot: dict[Any, int]) -> dict[str, int]:
     by = {getattr(k, "name", str(k)): v for k, v in snapshot.items()}
     get = by.get
     return {
-        "params": get("SHARDED_PARAM", 0)
-        + get("UNSHARDED_PARAM", 0)
-        + get("BUFFER", 0)
-        + get("ALL_GATHER", 0),
+        "params": sum(get(k, 0) for k in ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER", "ALL_GATHER")),
         "grads": get("SHARDED_GRAD", 0) + get("UNSHARDED_GRAD", 0) + get("REDUCE_SCATTER", 0),
         "optimizer": get("OPT", 0),
         "activations": get("ACT", 0) + get("INP", 0),
@@ -99,12 +96,9 @@ class MemoryWatch:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model = model
+        self.model, self.device, self.peak_bytes, self._parts = model, device_of(model), 0, breakdown_of
         self._hook: Any = None
-        self.device = device_of(model)
-        self.peak_bytes = 0
         self.breakdown: dict[str, int] = {}
-        self._parts = breakdown_of
         if is_fsdp(model):
             # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
             # shards plus the unsharded parameters and gradients of the block computing.
@@ -201,6 +195,14 @@ class PhaseTracker(MemTracker):
         self._before: weakref.WeakSet[Any] = weakref.WeakSet()
         self.saved_alive: dict[str, int] = {}
 
+    def track_external(self, *external: Any) -> None:
+        super().track_external(*external)
+        # NOTE: MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen
+        # one (Whisper's position embeddings): marked as hooked already, they still count.
+        for m in (m for m in external if isinstance(m, nn.Module)):
+            for p in (p for p in m.parameters() if not p.requires_grad):
+                self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
+
     def total(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get(_TOTAL_KEY, 0))
 
@@ -213,7 +215,7 @@ class PhaseTracker(MemTracker):
     def enter_phase(self, phase: str) -> None:
         self.phase = phase
         self.phase_peak[phase] = self.total()
-        self.phase_snap[phase] = copy.deepcopy(self._curr_mem_snap.get(self.device, {}))
+        self.phase_snap[phase] = dict(self._curr_mem_snap.get(self.device, {}))
         if phase == "forward":
             self.kept = self._start = self.total()
             # parameters, buffers, optimizer state: never owned by a part of the forward
@@ -275,10 +277,8 @@ class PhaseTracker(MemTracker):
         self.saved_alive = alive
         for name, winfos in self._outputs.items():
             # the output's storages still tracked at the forward's end (kept by their consumer)
-            live = [w() for w in winfos]
-            self.output_bytes[name] = sum(
-                int(w.mem_consumed) for w in live if w is not None and w in self._owner
-            )
+            live = [w for w in (ref() for ref in winfos) if w is not None and w in self._owner]
+            self.output_bytes[name] = sum(int(w.mem_consumed) for w in live)
         for name in self._saved:
             self._saved[name] = alive.get(name, 0)
         self.kept = self._start + sum(self._saved.values())
@@ -301,16 +301,16 @@ class PhaseTracker(MemTracker):
             for dev, dev_snap in curr.items():
                 if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                    stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+                    stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
         for dev, dev_snap in curr.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
+                self._peak_mem_snap[dev] = dict(dev_snap)
         total = self.total()
         phase = self.phase
         if phase in self.phase_peak and total > self.phase_peak[phase]:
             self.phase_peak[phase] = total
-            self.phase_snap[phase] = copy.deepcopy(curr.get(self.device, {}))
+            self.phase_snap[phase] = dict(curr.get(self.device, {}))
         if phase in self.outside_peak and not (self._block_fqns & parents):
             key = phase
             if self._blocks and phase == "forward" and self._blocks_done == 0:
@@ -321,9 +321,8 @@ class PhaseTracker(MemTracker):
 
 
 def _storages(value: Any) -> list[Any]:
-    return [
-        st for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor) for st in get_untyped_storages(t)
-    ]
+    tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return [st for t in tensors for st in get_untyped_storages(t)]
 
 
 def _tot(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:

@@ -29,7 +29,7 @@ from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.planning.solver import Solution, minimum_peak, solve
 from memfit.records import Plan, Profile
-from memfit.stepmodel import predict_options_seconds, simulate_options
+from memfit.stepmodel import predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS
 
 __all__ = ["TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_profiles"]
@@ -73,14 +73,24 @@ def fixed_bytes_message(fixed: int, budget: int, optimizer: str, detail: str = "
 def _explain(precision: str, micro: int, sol: Solution, profiles: Mapping[str, Profile], budget: int) -> str:
     prof = profiles[precision]
     sim = simulate_options(prof, sol.options, micro)
-    if sim.fixed_bytes >= budget:
-        return fixed_bytes_message(sim.fixed_bytes, budget, prof.optimizer)
+    # NOTE: "alone" is what every step holds whatever the plan; the optimizer step's
+    # temporaries are not held all step (a fused or for-loop step changes them): named apart.
+    state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
+    if state >= budget:
+        return fixed_bytes_message(state, budget, prof.optimizer)
     opt = prof.optimizer if prof.optimizer not in ("", "none") else "optimizer"
+    if state + prof.optimizer_temp_bytes >= budget:
+        return (
+            f"no plan fits the budget: parameters + gradients + {opt} state take {format_bytes(state)} and "
+            f"the optimizer step {format_bytes(prof.optimizer_temp_bytes)} more while it runs; budget "
+            f"{format_bytes(budget)}: use an optimizer with less state (or a fused or for-loop step), or "
+            "more memory."
+        )
     return (
         f"no plan fits the budget: even at {precision} with every block at its smallest and {micro} "
         f"micro-batch(es), the step peaks at {format_bytes(sim.peak_bytes)} during the {sim.peak_event} "
-        f"(parameters + gradients + {opt} state {format_bytes(sim.fixed_bytes)}, activations and "
-        f"temporaries {format_bytes(sim.peak_bytes - sim.fixed_bytes)}); budget {format_bytes(budget)}: "
+        f"(parameters + gradients + {opt} state {format_bytes(state)}, activations and "
+        f"temporaries {format_bytes(sim.peak_bytes - state)}); budget {format_bytes(budget)}: "
         "raise the budget or shrink the model or sequence."
     )
 
@@ -124,6 +134,12 @@ def plan_from_profiles(
             if sol is not None:
                 seconds = predict_options_seconds(prof, sol.options, micro)
                 found.append((seconds, sol.peak_bytes, order[precision], precision, sol))
+            if micro == 1 and precision == "fp32" and 0 < baseline_peak_bytes <= budget_bytes:
+                # NOTE: keeping every block was measured (the baseline) and fits, even where the
+                # step model, adding up per-block numbers, predicts a little more.
+                keep = _keep_all(prof, baseline_peak_bytes)
+                seconds = predict_options_seconds(prof, keep.options, 1)
+                found.append((seconds, baseline_peak_bytes, order[precision], precision, keep))
         if found:
             fastest = min(f[0] for f in found)
             _, _, _, precision, sol = min(
@@ -142,13 +158,23 @@ def plan_from_profiles(
                 baseline_step_seconds=baseline_step_seconds,
                 budget_bytes=budget_bytes,
             )
-    micro = _divisors(batch)[-1]
-    smallest = min(
-        ((p, minimum_peak(prof, micro, segments=segments)) for p, prof in profiles.items()),
-        key=lambda t: t[1].peak_bytes,
+    # NOTE: the smallest peak of every plan considered (each precision and micro-batch count)
+    # and of keeping every block, which was measured: never above any of them.
+    p, micro, best = min(
+        (
+            (p, micro, minimum_peak(prof, micro, segments=segments))
+            for p, prof in profiles.items()
+            for micro in _divisors(batch)
+        ),
+        key=lambda t: (t[2].peak_bytes, t[1]),
     )
+    minimum = min(best.peak_bytes, baseline_peak_bytes) if baseline_peak_bytes > 0 else best.peak_bytes
     raise InfeasibleBudget(
-        _explain(smallest[0], micro, smallest[1], profiles, budget_bytes),
-        minimum_bytes=smallest[1].peak_bytes,
-        budget_bytes=budget_bytes,
+        _explain(p, micro, best, profiles, budget_bytes), minimum_bytes=minimum, budget_bytes=budget_bytes
     )
+
+
+def _keep_all(prof: Profile, peak: int) -> Solution:
+    """Every block kept (mode none), with its measured peak."""
+    options = tiling(prof, "none")
+    return Solution(["none"] * len(prof.blocks), peak, 0.0, options=options)

@@ -43,6 +43,7 @@ from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
 from memfit.errors import InfeasibleBudget
+from memfit.measuring.inplace import inplace_parts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
@@ -312,4 +313,9 @@ def _notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> l
             f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
             f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
         )
+    # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
+    for note in profiles[result.precision].notes:
+        blocks, modes = inplace_parts(note)
+        if any(result.blocks.get(b) in modes for b in blocks):
+            notes.append(note)
     return notes

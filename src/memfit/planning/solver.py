@@ -36,18 +36,19 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from memfit.records import Profile
+from memfit.records import BlockStats, Profile
 from memfit.stepmodel import (
     Event,
     Option,
     all_options,
+    block_options,
     block_seconds,
     events,
     option_seconds,
     simulate_options,
 )
 
-__all__ = ["Solution", "minimum_peak", "solve"]
+__all__ = ["Solution", "minimum_peak", "solve", "useful_modes"]
 
 
 @dataclass
@@ -66,13 +67,39 @@ class Solution:
     """The chosen options in block order."""
 
 
+def _costs(block: BlockStats, mode: str) -> tuple[int, ...]:
+    """What a block adds to each kind of event in ``mode``: held, forward, saved, own backward."""
+    saved = block.saved_bytes[mode]
+    held = block.held_bytes.get(mode, saved)
+    return held, block.forward_peak_bytes.get(mode, saved), saved, saved + block.backward_peak_bytes[mode]
+
+
+def useful_modes(block: BlockStats) -> list[str]:
+    """The block's modes less those that hold at least as much as keeping it at every moment.
+
+    # NOTE: such a mode is slower than keeping the block and lowers no event of the step, so
+    # no plan should choose it (a block whose input is not otherwise kept, or whose recompute
+    # peaks high, can have one).
+    """
+    options = block_options(block)
+    if "none" not in options:
+        return options
+    keep = _costs(block, "none")
+    return [
+        m for m in options if m == "none" or any(c < k for c, k in zip(_costs(block, m), keep, strict=True))
+    ]
+
+
 class _Program:
     """The options, their seconds, the one-option-per-block rows and the event rows."""
 
     def __init__(self, profile: Profile, micro_batches: int, use_segments: bool) -> None:
         self.profile = profile
         opts = all_options(profile)
-        self.options = [o for o in opts if use_segments or not o.segment]
+        useful = [useful_modes(b) for b in profile.blocks]
+        self.options = [
+            o for o in opts if (use_segments or not o.segment) and (o.segment or o.mode in useful[o.first])
+        ]
         per = [block_seconds(b) for b in profile.blocks]
         self.seconds = np.array([option_seconds(profile, o, per) for o in self.options], dtype=float)
         n, v = len(profile.blocks), len(self.options)
