@@ -41,10 +41,10 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memfit.checkpointing import LAYER_TAG, checkpoint_contexts, refuse_double_checkpointing
 from memfit.errors import ConfigError
-from memfit.forward_layers import set_forward_layer
+from memfit.forward_layers import forward_layers, set_forward_layer
 from memfit.hf_probe import without_caches
 
-__all__ = ["ChainProbe", "chain_probe", "set_segments"]
+__all__ = ["ChainProbe", "applied_segments", "chain_probe", "set_segments"]
 
 
 def _first(out: Any) -> Any:
@@ -171,6 +171,16 @@ def set_segments(model: nn.Module, segments: Sequence[Sequence[str]]) -> nn.Modu
         for m in seg.modules[1:]:
             set_forward_layer(m, LAYER_TAG, _member, m, "full", seg)
     return model
+
+
+def applied_segments(model: nn.Module) -> list[list[str]]:
+    """The segments :func:`set_segments` installed on ``model``, as lists of block names."""
+    found = []
+    for module in model.modules():
+        layer = forward_layers(module).get(LAYER_TAG)
+        if layer is not None and layer[0] is _head:
+            found.append(list(layer[1][2].names))
+    return found
 
 
 class ChainProbe:

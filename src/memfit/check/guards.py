@@ -156,21 +156,27 @@ class Guard:
         step: int,
         micro_batches: int = 1,
         clip_norm: float | None = None,
+        run: Callable[[LossFn, Precision], StepResult] | None = None,
     ) -> tuple[StepResult, Precision]:
         """Run one guarded training step; returns its result and the precision to go on with.
+
+        ``run(loss_fn, precision)`` runs the step itself (the Trainer passes
+        :func:`memfit.loop.planned_step`); default :func:`memfit.step.training_step` with
+        ``micro_batches`` and ``clip_norm``.
 
         Raises:
             NonFiniteLoss: an fp32 or bf16 loss was not finite and nothing could fall back.
         """
+        if run is None:
+
+            def run(fn: LossFn, p: Precision) -> StepResult:
+                return training_step(model, batch, fn, optimizer, p, micro_batches, clip_norm)
+
         if not self.config.enabled:
-            return training_step(
-                model, batch, loss_fn, optimizer, precision, micro_batches, clip_norm
-            ), precision
+            return run(loss_fn, precision), precision
         for _ in range(3):  # at most two fallbacks for one step
             try:
-                result = training_step(
-                    model, batch, _checked(loss_fn), optimizer, precision, micro_batches, clip_norm
-                )
+                result = run(_checked(loss_fn), precision)
             except _LossNotFinite as bad:
                 nf = attribute(model, bad.batch, loss_fn, precision, step, bad.rng, bad.cuda_rng)
                 precision = self._recover(model, precision, step, nf, f"loss is {bad.value}", forward=True)

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+import memfit
 from memfit.errors import MemfitError, UsageError, is_out_of_memory
 
 __all__ = ["main", "parse_args"]
@@ -47,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="memfit",
         description="Train PyTorch models in less memory: measure, plan, apply, run, report.",
     )
+    parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name in _COMMANDS:
         if importlib.util.find_spec(f"memfit.cli.{name}") is None:

@@ -3,6 +3,7 @@
 Example:
     memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
     memfit plan run.toml --budget 2GiB --out plan.json
+    memfit plan --maximize batch_size --budget 24GiB     # the largest batch that fits
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_file, write_text
-from memfit.planning.planner import plan
+from memfit.planning.maximize import MAXIMIZE, plan, resize_batch
 from memfit.records import Plan
 from memfit.report.table import text_table
 from memfit.vocab import PRECISION_CHOICES
@@ -39,6 +40,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PRECISION_CHOICES,
         help="precision(s) to choose from (default: memory.precision of the config, auto: fp32 and "
         "what the device runs natively, as memfit.plan in Python)",
+    )
+    parser.add_argument(
+        "--maximize",
+        choices=MAXIMIZE,
+        help="batch_size: find the largest batch (at the configured sequence length) that a plan fits "
+        "without micro-batches, starting from train.batch_size",
     )
     parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
     parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
@@ -88,7 +95,9 @@ def run(args: argparse.Namespace) -> int:
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
-    result = plan(model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check)
+    result = plan(
+        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize
+    )
     try:
         write_text(args.out, result.to_json() + "\n", "the plan")
     except ConfigError as exc:
@@ -98,13 +107,16 @@ def run(args: argparse.Namespace) -> int:
         print(result.to_json())
         return 0
     print(
-        f"{type(model).__name__} on {device}, batch {describe(batch)}: budget "
+        f"{type(model).__name__} on {device}, batch "
+        f"{describe(resize_batch(batch, result.batch_size) if args.maximize else batch)}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
         f"{format_bytes(result.baseline_peak_bytes)}"
     )
     print()
     print(plan_table(result))
     print()
+    if args.maximize:
+        print(f"batch size     {result.batch_size} (the largest that fits at this sequence length)")
     print(f"precision      {result.precision}")
     print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
     print(

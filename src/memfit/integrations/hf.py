@@ -41,6 +41,7 @@ __all__ = [
     "hf_causal_loss",
     "hf_checkpointing_active",
     "hf_model_type",
+    "prepare",
     "require_transformers",
 ]
 
@@ -186,3 +187,23 @@ def checkpointing_owner(model: nn.Module) -> str:
     if hf_checkpointing_active(model):
         return "huggingface"
     return "memfit" if checkpointed_blocks(model) else "none"
+
+
+def prepare(
+    model: nn.Module,
+    args: Any,
+    train_dataset: Any,
+    budget: int | str,
+    data_collator: Any | None = None,
+    precision: str = "auto",
+) -> Any:
+    """Plan ``model`` for the Hugging Face ``Trainer``; returns the ``TrainingArguments`` to use.
+
+    Profiles one real batch, plans to ``budget``, checkpoints the model's blocks as planned
+    (turning ``use_cache`` off) and returns ``args`` with ``bf16``/``fp16``,
+    ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the plan (the
+    effective batch unchanged); see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
+    """
+    from memfit.integrations.hf_trainer import prepare_trainer
+
+    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision)

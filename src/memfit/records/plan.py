@@ -30,6 +30,9 @@ class Plan(Record):
     budget_bytes: int = 0
     measured_peak_bytes: int = 0
     """The plan's peak as measured when it was made (0: not measured)."""
+    batch_size: int = 0
+    """The batch the plan was made for (with ``maximize="batch_size"``: the largest that fits);
+    0 when not recorded (older plans)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the plan (e.g. BatchNorm sees micro-batches)."""
     segments: list[list[str]] = field(default_factory=list)

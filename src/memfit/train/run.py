@@ -3,7 +3,8 @@
 Three steps, each in its own module: check and build the run (:mod:`memfit.train.setup`),
 resume it if asked (:mod:`memfit.train.resume`), train with :class:`memfit.Trainer`, and
 report (:mod:`memfit.train.run_report`). It writes ``metrics.jsonl``, ``state.pt`` (every
-``train.checkpoint_every`` steps and at the end) and ``report.md`` to ``train.out``.
+``train.checkpoint_every`` steps and at the end), ``report.md``, ``loss.png`` and
+``memory.png`` to ``train.out`` (and ``ranks.json`` under torchrun).
 ``resume`` continues a run from its saved state, bit for bit on a CPU.
 
 Trade-off: a resumed run must use the settings that shape the numbers (model, data,
@@ -34,7 +35,9 @@ from typing import Any
 from memfit.config import Config
 from memfit.errors import StateError
 from memfit.records import StepMetrics
+from memfit.report.plots import training_plots
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
+from memfit.train.dist_plan import rank_notes
 from memfit.train.distributed import init_distributed
 from memfit.train.resume import Resumed, print_notes, resolve_resume, resume_run
 from memfit.train.run_report import (
@@ -166,6 +169,7 @@ def train_from_config(
         )
     for event in trainer.replans:
         echo(f"memfit train: {event.message}")
+    ranks = rank_notes(trainer, dist_ctx, out, built.budget)
     if log is None:
         return TrainRun(out=out, trainer=trainer, history=trainer.history, resumed_from=resumed_from)
     if log.error:
@@ -176,7 +180,10 @@ def train_from_config(
     history = read_metrics(files["metrics"])
     settings = run_settings(cfg, trainer, built.n_params, built.data_text, built.checkpointing_text)
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
-    notes = run_notes(trainer, where, resumed.notes if resumed else [], watch)
-    write_report(files["report"], history, trainer, settings, notes)
+    notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
+    breakdown = trainer.memory.breakdown if trainer.memory else None
+    files.update(training_plots(out, history, breakdown, built.budget, f"memfit train: {cfg.model.name}"))
+    images = [files[k].name for k in ("loss", "memory") if k in files]
+    write_report(files["report"], history, trainer, settings, notes, images)
     echo(done_line(history, trainer, files))
     return TrainRun(out=out, trainer=trainer, history=history, resumed_from=resumed_from, files=files)

@@ -110,14 +110,19 @@ def run_notes(
 
 
 def write_report(
-    path: Path, history: Sequence[StepMetrics], trainer: Trainer, settings: dict[str, str], notes: list[str]
+    path: Path,
+    history: Sequence[StepMetrics],
+    trainer: Trainer,
+    settings: dict[str, str],
+    notes: list[str],
+    images: Sequence[str] = (),
 ) -> None:
-    """Write ``report.md`` (atomically).
+    """Write ``report.md`` (atomically), showing ``images`` (file names beside it).
 
     Raises:
         StateError: it cannot be written; the message says where the state and metrics are.
     """
-    text = training_report("memfit train", history, trainer.memory, settings, notes)
+    text = training_report("memfit train", history, trainer.memory, settings, notes, images)
     try:
         write_text(path, text, "the report")
     except Exception as exc:

@@ -41,6 +41,7 @@ from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
 from memfit.train.build import ModelSpec, build_model
 from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
+from memfit.train.dist_plan import plan_for_ranks
 from memfit.train.distributed import DistContext, wrap_model
 from memfit.train.oom import OomConfig
 from memfit.train.schedule import lr_schedule
@@ -55,19 +56,13 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
     Raises:
         ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
             (without ``resume`` or ``overwrite``); the device is not here; or
-            ``checkpointing = "auto"`` lacks a budget or runs under torchrun.
+            ``checkpointing = "auto"`` lacks a budget.
     """
     out = check_output_dir(cfg.train.out, "train.out")
-    if cfg.memory.checkpointing == "auto":
-        if not cfg.memory.budget:
-            raise ConfigError(
-                'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
-            )
-        if cfg.train.distributed != "none":
-            raise ConfigError(
-                f'memory.checkpointing = "auto" plans for one process, not train.distributed = '
-                f'"{cfg.train.distributed}"; choose none, full, selective or every:K for a torchrun run.'
-            )
+    if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
+        raise ConfigError(
+            'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
+        )
     if resume is None and not overwrite and any((out / n).exists() for n in ("state.pt", "metrics.jsonl")):
         raise ConfigError(
             f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
@@ -159,7 +154,12 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     opt = _optimizer(model, cfg)
     chosen: Plan | None = None
     profiles: dict[str, Profile] = {}
-    if cfg.memory.checkpointing == "auto":
+    if cfg.memory.checkpointing == "auto" and dist_ctx.active:
+        # NOTE: planned on rank 0 for one rank's memory; every rank gets the same plan.
+        chosen = plan_for_ranks(
+            model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision, dist_ctx
+        )
+    elif cfg.memory.checkpointing == "auto":
         chosen = plan(
             model,
             sampler.batch_at(0),
@@ -169,6 +169,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
             cfg.memory.precision,
             profiles=profiles,
         )
+    if chosen is not None:
         apply(model, chosen)
         budget = chosen.budget_bytes
         precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)

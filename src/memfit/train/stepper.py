@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
+from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan
@@ -96,6 +98,14 @@ class Stepper:
         if clip_norm is not None and not clip_norm > 0:
             raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
         self.clip_norm = clip_norm
+        # NOTE: every step is memfit.loop.planned_step of this plan (memfit.train_step's own
+        # step); without a plan, the model's checkpointing, precision and micro-batches are one.
+        self._running = plan or Plan(
+            blocks=checkpointed_blocks(unwrap(model)),
+            precision=self.precision.mode,
+            micro_batches=self.micro_batches,
+        )
+        prepare(model, optimizer, self._running, precision=self.precision)
         self.memory_every = memory_every
         self.track_memory = track_memory
         self.step_count = 0
@@ -128,8 +138,18 @@ class Stepper:
             self.step_count + 1,
             self.micro_batches,
             self.clip_norm,
+            run=lambda loss_fn, precision: self._planned_step(batch, loss_fn, precision),
         )
         return result
+
+    def _planned_step(self, batch: Batch, loss_fn: LossFn, precision: Precision) -> StepResult:
+        if precision is not prepared(self.optimizer).precision:
+            # NOTE: the guard fell back to another precision: this step and the next run it.
+            self._running = dataclasses.replace(self._running, precision=precision.mode)
+            prepare(self.model, self.optimizer, self._running, precision=precision)
+        return planned_step(
+            self.model, batch, loss_fn, self.optimizer, self._running, clip_norm=self.clip_norm
+        )
 
     def _run(self, batch: Batch) -> tuple[StepResult, int | None, bool]:
         """Run the step; return its result, its peak bytes (if known) and whether MemTracker watched."""
@@ -235,14 +255,12 @@ class Stepper:
         Raises:
             ConfigError: the plan's precision is not the Trainer's.
         """
-        from memfit.apply import apply
-
         if plan.precision != self.precision.mode:
             raise ConfigError(
                 f"the plan's precision {plan.precision!r} is not this Trainer's {self.precision.mode!r}."
             )
-        apply(unwrap(self.model), plan)
-        self.plan, self.micro_batches, self.memory = plan, plan.micro_batches, None
+        prepare(self.model, self.optimizer, plan, precision=self.precision)
+        self.plan, self._running, self.micro_batches, self.memory = plan, plan, plan.micro_batches, None
 
     def _evaluate_with(self, eval_fn: Callable[[nn.Module], float]) -> float:
         was_training = self.model.training

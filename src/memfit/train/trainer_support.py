@@ -14,13 +14,10 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
 from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
 from memfit.step import Batch
-from memfit.train.distributed import unwrap
-from memfit.vocab import normalize_mode
 
 __all__ = ["TrainerCallback", "check_plan_applied", "model_device", "progress_postfix", "to_device"]
 
@@ -69,14 +66,11 @@ def progress_postfix(m: StepMetrics, scaled: bool) -> str:
     return text
 
 
-def _plan_mode(mode: str) -> str | None:
-    return None if normalize_mode(mode) == "none" else mode
-
-
 def check_plan_applied(
     model: nn.Module, plan: Plan, precision: str | Precision | None, micro_batches: int | None
 ) -> None:
-    """Refuse arguments that contradict ``plan``, or a model not checkpointed as it says.
+    """Refuse arguments that contradict ``plan`` (the Trainer applies the plan itself, with
+    :func:`memfit.prepare`).
 
     Raises:
         ConfigError: naming the contradiction and the fix.
@@ -90,10 +84,3 @@ def check_plan_applied(
         raise ConfigError(
             f"micro_batches={micro_batches} contradicts the plan's {plan.micro_batches}; pass one of them."
         )
-    actual = checkpointed_blocks(unwrap(model))
-    for name, mode in plan.blocks.items():
-        if actual.get(name) != _plan_mode(mode):
-            raise ConfigError(
-                f"block {name!r} is checkpointed as {actual.get(name) or 'none'!r} but the plan says "
-                f"{mode!r}; call memfit.apply(model, plan) before creating the Trainer."
-            )
