@@ -4,11 +4,14 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.memfit-installed
-# The optional extras (transformers, torchvision, timm) live in a second environment: torchvision
-# from PyPI needs torch 2.14.1, while the core suite keeps torch 2.13.0 and runs without them.
+# The optional extras (transformers, accelerate, lightning, torchvision, timm) live in a second
+# environment: torchvision from PyPI needs torch 2.14.1, while the core suite keeps torch 2.13.0
+# and runs without them.
 EXTRAS_VENV ?= .venv-extras
 EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
-EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py
+EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_vision.py tests/integrations/test_zoo.py \
+	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py \
+	tests/integrations/test_readme_extras.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 

@@ -14,6 +14,15 @@ from memfit.train.gpt import GPT, GPTConfig
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _state_key(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """State files are signed with a key in the test session's own folder, not the user's home."""
+    import os
+
+    if "MEMFIT_STATE_KEY" not in os.environ:
+        os.environ["MEMFIT_STATE_KEY"] = str(tmp_path_factory.mktemp("key") / "state.key")
+
+
 def tiny_gpt(dropout: float = 0.0, n_layer: int = 2) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=2, block_size=16, dropout=dropout))
@@ -212,3 +221,50 @@ def blockless_spec() -> ModelSpec:
         loss_fn=mse_loss,
         make_batch=lambda n, seed: (torch.randn(n, 8), torch.randn(n, 1)),
     )
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: conv-BN-ReLU(inplace)-conv-BN, in-place residual add, a strided
+    1x1 conv + BN shortcut where the shape changes."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.down: nn.Module | None = None
+        if stride != 1 or cin != cout:
+            self.down = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNetish(nn.Module):
+    """A ResNet-style CNN with BatchNorm: a full-resolution stem, then stages that halve the
+    resolution and double the width (the stem's backward is the step's largest moment)."""
+
+    def __init__(self, width: int = 16, layers: tuple[int, ...] = (2, 2, 2), classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(inplace=True)
+        )
+        stages, cin = [], width
+        for i, n in enumerate(layers):
+            cout = width * 2**i
+            blocks = [BasicBlock(cin, cout, 1 if i == 0 else 2)] + [
+                BasicBlock(cout, cout) for _ in range(n - 1)
+            ]
+            stages.append(nn.Sequential(*blocks))
+            cin = cout
+        self.stages = nn.Sequential(*stages)
+        self.fc = nn.Linear(cin, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.stages(self.stem(x)).mean(dim=(2, 3)))

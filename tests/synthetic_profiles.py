@@ -30,6 +30,8 @@ def _block(draw: st.DrawFn, i: int) -> BlockStats:
     return BlockStats(
         name=f"b{i}",
         param_bytes=params,
+        output_bytes=draw(st.integers(0, kept_full)),
+        forward_peak_bytes={m: saved[m] + draw(st.integers(0, 200_000)) for m in modes},
         saved_bytes={m: saved[m] for m in modes},
         backward_peak_bytes={m: peaks[m] for m in modes},
         forward_seconds=draw(st.floats(0.0, 0.5)),
@@ -38,9 +40,11 @@ def _block(draw: st.DrawFn, i: int) -> BlockStats:
 
 
 @st.composite
-def profiles(draw: st.DrawFn, max_blocks: int = 10) -> Profile:
+def profiles(draw: st.DrawFn, max_blocks: int = 10, segments: bool = True) -> Profile:
+    """Random profiles; with ``segments``, random chain links let segments span blocks."""
     n = draw(st.integers(1, max_blocks))
     blocks = [draw(_block(i)) for i in range(n)]
+    links = [draw(st.booleans()) for _ in range(n - 1)] if segments else []
     params = sum(b.param_bytes for b in blocks) + draw(st.integers(0, 10_000))
     return Profile(
         precision="fp32",
@@ -57,4 +61,7 @@ def profiles(draw: st.DrawFn, max_blocks: int = 10) -> Profile:
         optimizer_bytes=2 * params,
         optimizer_temp_bytes=draw(st.integers(0, params)),
         step_seconds=draw(st.floats(0.0, 20.0)),
+        outside_before_forward_peak_bytes=draw(st.integers(0, 300_000)),
+        outside_before_backward_peak_bytes=draw(st.integers(0, 300_000)),
+        chain_links=links,
     )

@@ -183,3 +183,29 @@ def test_plot_labels_do_not_overlap_and_axes_have_units() -> None:
         assert any(line.get_label().startswith("budget") for line in ax.get_lines())
     finally:
         plt.close(fig)
+
+
+def test_plot_rings_the_recommendation_and_keeps_the_axis_on_the_points() -> None:
+    import matplotlib.pyplot as plt
+
+    points = _crowded()
+    xs = [p.peak_bytes / 2**20 for p in points if p.ok]
+    fig = bench_figure(points, budget_bytes=24 * 2**30, title="cpu")  # far above every point
+    try:
+        ax = fig.axes[0]
+        left, right = ax.get_xlim()
+        assert left <= min(xs) and max(xs) <= right < 2 * max(xs), (left, right)
+        fastest = min((p for p in points if p.ok), key=lambda p: p.step_seconds)
+        labels = [c.get_label() for c in ax.collections]
+        assert f"recommended: {fastest.strategy}" in labels
+        assert any(t.get_text().startswith("budget 24.00 GiB") for t in ax.texts)
+    finally:
+        plt.close(fig)
+    fig = bench_figure(points, budget_bytes=30 * 2**20)  # near the points: a line, the fastest that fits
+    try:
+        ax = fig.axes[0]
+        fits = min((p for p in points if p.ok and p.peak_bytes <= 30 * 2**20), key=lambda p: p.step_seconds)
+        assert f"recommended: {fits.strategy}" in [c.get_label() for c in ax.collections]
+        assert any(line.get_label().startswith("budget") for line in ax.get_lines())
+    finally:
+        plt.close(fig)

@@ -52,7 +52,8 @@ def test_checkpointing_saves_what_it_should(gpt_case) -> None:  # type: ignore[n
         # full recomputes in backward: more transient memory and more FLOPs there
         assert b.backward_peak_bytes["full"] > b.backward_peak_bytes["none"]
         assert b.backward_flops["full"] > b.backward_flops["none"] > 0
-        assert b.backward_flops["none"] == 2 * b.forward_flops  # FlopCounterMode's matmul rule
+        # FlopCounterMode's rules: a matmul's backward is 2x its forward, attention's 2.5x
+        assert 2 * b.forward_flops < b.backward_flops["none"] < 2.5 * b.forward_flops
         assert b.grad_bytes == b.param_bytes
     assert prof.optimizer_bytes == 2 * prof.param_bytes + 4 * len(list(gpt_case[0].parameters()))
     assert prof.grad_bytes == prof.param_bytes

@@ -20,7 +20,7 @@ from synthetic_profiles import profiles
 import memfit
 from memfit.planning.planner import plan_from_profiles
 from memfit.records import BREAKDOWN_KEYS, Profile
-from memfit.stepmodel import block_options, events, simulate
+from memfit.stepmodel import all_options, block_options, events, simulate, tiling
 from memfit.train.gpt import gpt_loss
 
 #: Fake-tensor estimate vs measured profile of the same model: MemTracker counts the same
@@ -28,16 +28,23 @@ from memfit.train.gpt import gpt_loss
 ESTIMATE_RTOL = 0.01
 
 
+def _random_plan(profile: Profile, rng: random.Random) -> tuple[list[str], list[tuple[int, int]]]:
+    """Random modes, and a random segment where the chain links allow one."""
+    modes = [rng.choice(block_options(b)) for b in profile.blocks]
+    segs = [(o.first, o.last) for o in all_options(profile) if o.segment]
+    return modes, [rng.choice(segs)] if segs and rng.random() < 0.7 else []
+
+
 @settings(max_examples=80, deadline=None)
 @given(profile=profiles(max_blocks=6), seed=st.integers(0, 2**16), micro=st.sampled_from([1, 2, 3]))
 def test_simulate_breakdown_and_solver_rows_agree(profile: Profile, seed: int, micro: int) -> None:
-    rng = random.Random(seed)
-    modes = [rng.choice(block_options(b)) for b in profile.blocks]
-    sim = simulate(profile, modes, micro)
+    modes, segs = _random_plan(profile, random.Random(seed))
+    sim = simulate(profile, modes, micro, segs)
     assert sorted(sim.breakdown) == sorted(BREAKDOWN_KEYS)
     assert sum(sim.breakdown.values()) == sim.peak_bytes
-    # the solver's linear rows: const + coef per block, for the same modes
-    rows = [e.const + sum(e.coef[i][modes[i]] for i in e.coef) for e in events(profile, micro)]
+    # the solver's linear rows over every option: const + the chosen options' terms
+    chosen = tiling(profile, modes, segs)
+    rows = [e.const + sum(e.coef.get(o, 0) for o in chosen) for e in events(profile, micro)]
     assert max(rows) == sim.peak_bytes
     assert sim.breakdown["params"] == profile.param_bytes
     assert sim.breakdown["optimizer"] == profile.optimizer_bytes
@@ -46,12 +53,11 @@ def test_simulate_breakdown_and_solver_rows_agree(profile: Profile, seed: int, m
 @settings(max_examples=40, deadline=None)
 @given(profile=profiles(max_blocks=6), seed=st.integers(0, 2**16))
 def test_the_planner_predicts_what_simulate_says(profile: Profile, seed: int) -> None:
-    rng = random.Random(seed)
-    modes = [rng.choice(block_options(b)) for b in profile.blocks]
-    budget = simulate(profile, modes).peak_bytes
+    modes, segs = _random_plan(profile, random.Random(seed))
+    budget = simulate(profile, modes, 1, segs).peak_bytes
     plan = plan_from_profiles({"fp32": profile}, budget)
-    assert plan.predicted_peak_bytes == simulate(profile, plan.blocks, plan.micro_batches).peak_bytes
-    assert plan.predicted_peak_bytes <= budget
+    got = simulate(profile, plan.blocks, plan.micro_batches, plan.segments).peak_bytes
+    assert plan.predicted_peak_bytes == got <= budget
 
 
 @pytest.fixture(scope="module")

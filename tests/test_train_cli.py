@@ -216,6 +216,8 @@ def test_resume_refuses_a_truncated_state_and_names_the_previous(capsys, tmp_pat
     ]  # fmt: skip
     assert main(argv) == 0
     assert sorted(p.name for p in out.iterdir()) == [
+        "loss.png",
+        "memory.png",
         "metrics.jsonl",
         "report.md",
         "state.prev.pt",
@@ -270,3 +272,6 @@ def test_budget_verdict_in_the_report(tmp_path, text_file, capsys) -> None:  # t
     assert "| checkpointing | full on every 2 blocks (blocks.0, blocks.2) |" in report
     peak = next(m.peak_bytes for m in read_metrics(out / "metrics.jsonl") if m.tracked)
     assert peak is not None and f"{peak:,}" in report
+    for name in ("loss.png", "memory.png"):  # plots as the demo draws them, shown in the report
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"({name})" in report

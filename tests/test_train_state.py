@@ -71,8 +71,8 @@ class _Evil:
 
 
 def test_pickled_code_is_not_executed(tmp_path) -> None:
-    """A file with a valid checksum but a pickled callable is refused by weights_only."""
-    import hashlib
+    """A file with a valid checksum (made with this user's key) but a pickled callable is
+    refused by weights_only."""
     import io
 
     buf = io.BytesIO()
@@ -80,7 +80,10 @@ def test_pickled_code_is_not_executed(tmp_path) -> None:
     payload = buf.getvalue()
     path = tmp_path / "state.pt"
     path.write_bytes(
-        state_mod._MAGIC + struct.pack("<Q", len(payload)) + hashlib.sha256(payload).digest() + payload
+        state_mod._MAGIC
+        + struct.pack("<Q", len(payload))
+        + state_mod._mac(state_mod.state_key(), payload)
+        + payload
     )
     with pytest.raises(StateError, match="weights_only"):
         load_state(path)

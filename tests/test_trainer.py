@@ -9,7 +9,7 @@ import torch
 from conftest import DropoutMLP, mse_loss, tiny_gpt, token_batch, vector_batch
 
 from memfit import Plan
-from memfit.checkpointing import checkpoint, set_block_modes
+from memfit.checkpointing import checkpoint, checkpointed_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measuring.memory import measure
 from memfit.records import StepMetrics
@@ -136,8 +136,9 @@ def test_plan_sets_precision_and_micro_batches() -> None:
     assert trainer.precision.mode == "bf16" and trainer.micro_batches == 2
     with pytest.raises(ConfigError, match="contradicts the plan"):
         _trainer(model, "fp16", plan=plan)
-    with pytest.raises(ConfigError, match=r"memfit\.apply"):
-        _trainer(tiny_gpt(), None, plan=plan)
+    fresh = tiny_gpt()  # not yet checkpointed: the Trainer applies the plan (memfit.prepare)
+    _trainer(fresh, None, plan=plan)
+    assert checkpointed_blocks(fresh) == {"blocks.0": "full"}
 
 
 def test_callbacks_see_every_step_and_can_stop() -> None:

@@ -86,15 +86,45 @@ def test_fp16_overflow_falls_back_and_training_completes(caplog: pytest.LogCaptu
     assert "fp16 -> bf16 from step 1" in caplog.text and "'body.1'" in caplog.text
 
 
+def _grad_overflow(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A finite loss whose gradients overflow fp16 at any loss scale (the scaler's case)."""
+    return mse(model, batch) * 1e30
+
+
 def test_without_fallback_fp16_overflow_only_warns() -> None:
-    model = loud_mlp()
+    # NOTE: issue 15: a gradient overflow is the scaler's business (it skips and warns); a
+    # non-finite forward pass stops instead, see the test below.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
     trainer = Trainer(
-        model, torch.optim.AdamW(model.parameters(), lr=1e-3), mse, "fp16",
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), _grad_overflow, "fp16",
         guard=GuardConfig(window=4), progress=False, track_memory=False,
     )  # fmt: skip
     history = trainer.fit(vector_batches(6), steps=6)
     assert all(m.skipped for m in history) and trainer.precision.mode == "fp16"
     assert [e.kind for e in trainer.guard.events] == ["warning"]
+
+
+def test_fp16_forward_overflow_stops_like_fp32_and_keeps_the_last_good_state(tmp_path: Path) -> None:
+    """Issue 15: a non-finite fp16 forward pass is not reported as success: it stops at once,
+    names the module and keeps the state from before the step."""
+    model = loud_mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = Trainer(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), mse, "fp16",
+        progress=False, track_memory=False, last_good_path=tmp_path / "last-good.pt",
+    )  # fmt: skip
+    with pytest.raises(NonFiniteLoss) as info:
+        trainer.fit(vector_batches(6), steps=6)
+    err = info.value
+    assert err.attribution is not None and err.attribution.module == "body.1"
+    assert err.attribution.phase == "forward" and "fp16 training stopped at step 1" in str(err)
+    assert err.state_path == tmp_path / "last-good.pt" and err.state_path.exists()
+    assert trainer.history == [] and [e.kind for e in trainer.guard.events] == ["stop"]
+    fresh = loud_mlp()
+    Trainer(fresh, torch.optim.AdamW(fresh.parameters()), mse, "fp16", progress=False).load(err.state_path)
+    for key, value in fresh.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
 
 
 def test_memfit_train_config_fallback_is_logged_in_the_report(tmp_path: Path) -> None:

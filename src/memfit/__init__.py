@@ -22,10 +22,11 @@ from memfit.benchmarking.sweep import bench
 from memfit.check.stability import check_stability
 from memfit.checkpointing import checkpoint, find_blocks, uncheckpoint
 from memfit.errors import InfeasibleBudget, MemfitError, NonFiniteLoss
+from memfit.loop import prepare, train_step
 from memfit.measuring.estimate import estimate
 from memfit.measuring.memory import measure
 from memfit.measuring.profile import profile
-from memfit.planning.planner import plan
+from memfit.planning.maximize import plan
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.train.trainer import Trainer
@@ -48,6 +49,8 @@ __all__ = [
     "find_blocks",
     "measure",
     "plan",
+    "prepare",
     "profile",
+    "train_step",
     "uncheckpoint",
 ]

@@ -24,22 +24,25 @@ import difflib
 
 from torch import nn
 
-from memfit.checkpointing import set_block_modes, uncheckpoint
-from memfit.errors import ConfigError
+from memfit.checkpointing import find_blocks, set_block_modes, uncheckpoint
+from memfit.errors import ConfigError, MemfitError
 from memfit.records import Plan
+from memfit.segments import set_segments
 from memfit.vocab import PRECISIONS, normalize_modes
 
 __all__ = ["apply", "check_plan_fits"]
 
 
 def check_plan_fits(model: nn.Module, plan: Plan) -> None:
-    """Refuse a plan that does not fit ``model``: unknown blocks, modes, precision or micro-batches.
+    """Refuse a plan that does not fit ``model``: unknown blocks, modes, precision or micro-batches,
+    or a planned plan that leaves out some of the model's blocks.
 
     Raises:
         ConfigError: one sentence naming what does not fit and what to do.
     """
     modules = {n for n, _ in model.named_modules() if n}
-    missing = [n for n in plan.blocks if n not in modules]
+    named = list(plan.blocks) + [n for seg in plan.segments for n in seg if n not in plan.blocks]
+    missing = [n for n in named if n not in modules]
     if missing:
         hints = []
         for name in missing:
@@ -54,10 +57,25 @@ def check_plan_fits(model: nn.Module, plan: Plan) -> None:
         raise ConfigError(f"the plan's precision {plan.precision!r} is not one of {', '.join(PRECISIONS)}.")
     if plan.micro_batches < 1:
         raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
+    if plan.blocks and plan.predicted_peak_bytes > 0:
+        # NOTE: a plan the planner made (it has a prediction) covers every block it found; one
+        # that covers only some of this model's blocks was made for a smaller model and would
+        # leave the rest silently unplanned. A hand-written Plan may name only some blocks.
+        try:
+            blocks = find_blocks(model)
+        except MemfitError:
+            blocks = []
+        left_out = [b for b in blocks if b not in plan.blocks]
+        if left_out and set(plan.blocks) <= set(blocks):
+            raise ConfigError(
+                f"the plan covers {len(plan.blocks)} of the {len(blocks)} blocks of {type(model).__name__} "
+                f"(not {', '.join(repr(b) for b in left_out[:3])}); it was made for a different model: "
+                "run memfit plan again for this one."
+            )
 
 
 def apply(model: nn.Module, plan: Plan) -> nn.Module:
-    """Apply a plan's per-block checkpointing to ``model`` in place and return it.
+    """Apply a plan's per-block checkpointing and segments to ``model`` in place and return it.
 
     Precision and micro-batches are run by the training step (``memfit.Trainer`` takes them
     from the plan); checkpointing not named by the plan is removed.
@@ -74,5 +92,7 @@ def apply(model: nn.Module, plan: Plan) -> nn.Module:
     """
     check_plan_fits(model, plan)
     uncheckpoint(model)
-    set_block_modes(model, normalize_modes(plan.blocks))
+    inside = {n for seg in plan.segments for n in seg}
+    set_block_modes(model, {n: m for n, m in normalize_modes(plan.blocks).items() if n not in inside})
+    set_segments(model, plan.segments)
     return model

@@ -77,29 +77,32 @@ class Budget:
         if isinstance(value, Budget):
             return value
         if isinstance(value, bool) or not isinstance(value, int | float | str):
-            raise ConfigError(f"{what} must be a number of bytes or a string like '6GiB', not {value!r}.")
+            raise ConfigError(
+                f"{what} must be a number of bytes or a string like '6GiB', not {_shown(value)}."
+            )
         if isinstance(value, int | float):
             if not math.isfinite(value) or value <= 0:
-                raise ConfigError(f"{what} must be a positive number of bytes, got {value!r}.")
+                raise ConfigError(f"{what} must be a positive number of bytes, got {_shown(value)}.")
             return cls(bytes=_whole_bytes(value, value, what), text=str(value))
         match = _PATTERN.match(value)
         if match is None or match.group(2).lower() not in (*_UNITS, "%"):
             raise ConfigError(
-                f"cannot read {what} {value!r}: write bytes as an integer, or a number with a unit "
+                f"cannot read {what} {_shown(value)}: write bytes as an integer, or a number with a unit "
                 "(B, KB, MB, GB, KiB, MiB, GiB), or a percentage such as '60%'."
             )
         number = float(match.group(1))
         unit = match.group(2).lower()
         if not math.isfinite(number):
             raise ConfigError(
-                f"{what} {value!r} is too large to be a memory size; give bytes such as '6GiB'."
+                f"{what} {_shown(value)} is too large to be a memory size; give bytes such as '6GiB'."
             )
         if number <= 0:
-            raise ConfigError(f"{what} must be positive, got {value!r}.")
+            raise ConfigError(f"{what} must be positive, got {_shown(value)}.")
         if unit == "%":
             if number > 100:
                 raise ConfigError(
-                    f"{what} {value!r} is over 100% of the baseline peak; give a percentage in (0, 100]."
+                    f"{what} {_shown(value)} is over 100% of the baseline peak; "
+                    "give a percentage in (0, 100]."
                 )
             return cls(fraction=number / 100, text=value.strip())
         return cls(bytes=_whole_bytes(number * _UNITS[unit], value, what), text=value.strip())
@@ -131,12 +134,20 @@ class Budget:
         return self.text or (f"{(self.fraction or 0) * 100:g}%" if self.is_fraction else str(self.bytes))
 
 
+def _shown(value: object) -> str:
+    """``repr(value)``, shortened to about 40 characters for messages (400 nines stay readable)."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:18]}...{text[-18:]} ({len(text)} characters)"
+
+
 def _whole_bytes(number: float, shown: object, what: str) -> int:
     if number > _MAX_BYTES:
-        raise ConfigError(f"{what} {shown!r} is too large to be a memory size; give bytes such as '6GiB'.")
+        raise ConfigError(
+            f"{what} {_shown(shown)} is too large to be a memory size; give bytes such as '6GiB'."
+        )
     result = int(number)
     if result <= 0:
-        raise ConfigError(f"{what} {shown!r} is less than one byte; give a positive amount.")
+        raise ConfigError(f"{what} {_shown(shown)} is less than one byte; give a positive amount.")
     return result
 
 

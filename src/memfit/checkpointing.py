@@ -26,228 +26,78 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import difflib
-import functools
-import itertools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    create_selective_checkpoint_contexts,
-)
-from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from memfit.blocks import find_blocks, resolve_blocks
 from memfit.errors import ConfigError
 from memfit.forward_layers import forward_layers, set_forward_layer
+from memfit.hf_probe import hf_checkpointing_active, without_caches
+from memfit.recompute import run_checkpointed
+from memfit.selective import keep_running_stats, selective_policy, selective_saves
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
+    "LAYER_TAG",
     "checkpoint",
+    "checkpoint_contexts",
     "checkpointed_blocks",
     "find_blocks",
     "refuse_double_checkpointing",
+    "selective_saves",
     "set_block_modes",
     "uncheckpoint",
 ]
 
 _TAG = "checkpoint"
+#: The forward layer (:mod:`memfit.forward_layers`) that checkpointing, segments included, installs.
+LAYER_TAG = _TAG
 
-_aten = torch.ops.aten
-# NOTE: selective checkpointing keeps the outputs of the ops whose recompute is expensive
-# (matmuls, attention kernels, convolutions) and recomputes everything else. Norms,
-# activations and elementwise ops are memory-bound: recomputing them costs little time but
-# their outputs are as large as a matmul's. This is the policy torchtitan and the PyTorch
-# SAC docs use for transformer blocks; listed by OpOverloadPacket so every overload counts.
-_SAVE_OPS = {
-    _aten.mm,
-    _aten.addmm,
-    _aten.bmm,
-    _aten.baddbmm,
-    _aten.convolution,
-    _aten._scaled_dot_product_flash_attention,
-    _aten._scaled_dot_product_efficient_attention,
-    _aten._scaled_dot_product_cudnn_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu,
-}
-if hasattr(_aten, "_scaled_mm"):
-    _SAVE_OPS.add(_aten._scaled_mm)
-
-
-def _selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    packet = getattr(func, "overloadpacket", func)
-    return CheckpointPolicy.MUST_SAVE if packet in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _is_stage(module: nn.Module) -> bool:
-    """A container whose own children repeat (a ResNet stage): its children are the blocks."""
-    return isinstance(module, nn.ModuleList | nn.Sequential) and bool(_repeated(list(module.children())))
-
-
-def _repeated(children: Sequence[nn.Module]) -> set[type[nn.Module]]:
-    """Classes of consecutive same-class children that have parameters and are not stages."""
-    return {
-        type(a)
-        for a, b in itertools.pairwise(children)
-        if type(a) is type(b) and any(True for _ in a.parameters()) and not _is_stage(a)
-    }
-
-
-def find_blocks(model: nn.Module) -> list[str]:
-    """Qualified names of the model's repeated blocks, in forward order.
-
-    The blocks are found where they are shallowest: the first ``nn.ModuleList`` or
-    ``nn.Sequential`` (by depth) holding two or more consecutive children of one class with
-    parameters (transformer layers, ResNet blocks). A container whose own children repeat
-    is a stage, not a block, so the search goes on inside it. Every outermost module of the
-    block class (or classes, when several containers tie at that depth) anywhere in the
-    model is a block, so ResNet's blocks across all its stages are found.
-
-    Args:
-        model: any ``nn.Module``.
-
-    Returns:
-        Qualified module names, e.g. ``["blocks.0", "blocks.1"]``; empty if there are none.
-
-    Example:
-        >>> seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> find_blocks(seq)
-        ['0', '1']
-    """
-    best_depth: int | None = None
-    classes: set[type[nn.Module]] = set()
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.ModuleList | nn.Sequential):
-            continue
-        depth = 0 if name == "" else name.count(".") + 1
-        if best_depth is not None and depth > best_depth:
-            continue
-        found = _repeated(list(module.children()))
-        if not found:
-            continue
-        if best_depth is None or depth < best_depth:
-            best_depth, classes = depth, set(found)
-        else:
-            classes |= found
-    if not classes:
-        return []
-    names: list[str] = []
-    inside: list[str] = []
-    for name, module in model.named_modules():
-        if type(module) in classes and name and not any(name.startswith(p + ".") for p in inside):
-            names.append(name)
-            inside.append(name)
-    return names
-
-
-def _resolve(model: nn.Module, blocks: str | Sequence[str]) -> list[str]:
-    if blocks == "auto":
-        names = find_blocks(model)
-        if not names:
-            raise ConfigError(
-                f"found no repeated blocks in {type(model).__name__} (looked for two or more "
-                "consecutive same-class modules with parameters in an nn.ModuleList or "
-                "nn.Sequential); pass blocks=[...] with the qualified names to checkpoint."
-            )
-        return names
-    if isinstance(blocks, str):
-        blocks = [blocks]
-    modules = dict(model.named_modules())
-    missing = [b for b in blocks if b not in modules or b == ""]
-    if missing:
-        hints = []
-        for m in missing:
-            close = difflib.get_close_matches(m, [n for n in modules if n], n=1)
-            hints.append(f"{m!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise ConfigError(
-            f"no module named {', '.join(hints)} in {type(model).__name__}; "
-            f"blocks found by find_blocks: {find_blocks(model) or 'none'}."
-        )
-    return list(blocks)
-
-
-def _batchnorms(module: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [
-        m
-        for m in module.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
-
-
-@contextlib.contextmanager
-def _keep_running_stats(module: nn.Module, inner: Any) -> Iterator[None]:
-    """Recompute context: BatchNorm running statistics are restored after the recompute.
-
-    The forward pass already updated them once; without this the recompute in backward
-    would update them a second time.
-    """
-    saved = [
-        (
-            b,
-            b.running_mean.clone() if b.running_mean is not None else None,
-            b.running_var.clone() if b.running_var is not None else None,
-            b.num_batches_tracked.clone() if b.num_batches_tracked is not None else None,
-        )
-        for b in _batchnorms(module)
-    ]
-    try:
-        with inner:
-            yield
-    finally:
-        with torch.no_grad():
-            for b, mean, var, count in saved:
-                for buf, old in (
-                    (b.running_mean, mean),
-                    (b.running_var, var),
-                    (b.num_batches_tracked, count),
-                ):
-                    if buf is not None and old is not None:
-                        buf.copy_(old)
-
-
-def _contexts(module: nn.Module, mode: str) -> tuple[Any, Any]:
-    if mode == "selective":
-        fwd, rec = create_selective_checkpoint_contexts(_selective_policy)
-    else:
-        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-    return fwd, _keep_running_stats(module, rec)
-
-
-def _compiled_contexts(mode: str) -> dict[str, Any]:
-    """What a checkpoint traced by ``torch.compile`` is given: PyTorch's own contexts only.
-
-    # NOTE: under torch.compile the checkpointed region becomes one higher-order op whose
-    # backward the AOT partitioner builds; the compiler accepts no context_fn but PyTorch's
-    # selective-checkpoint dispatch modes (or none at all). BatchNorm-once needs no context
-    # there: the compiled graph is functionalized, buffer mutations are applied once after
-    # the forward and are never part of what the partitioner recomputes.
-    """
-    if mode == "selective":
-        return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _selective_policy)}
-    return {}
+_log = logging.getLogger("memfit")
+_TOLD: set[type] = set()
 
 
 def _checkpointed_forward(
     inner: Callable[..., Any], module: nn.Module, mode: str, *args: Any, **kwargs: Any
 ) -> Any:
     if not torch.is_grad_enabled():
-        return inner(*args, **kwargs)
-    if torch.compiler.is_compiling():
-        contexts = _compiled_contexts(mode)
-    else:
-        contexts = {"context_fn": functools.partial(_contexts, module, mode)}
+        return inner(*args, **kwargs)  # inference (generation): the block runs as written
+    args, kwargs, changed = without_caches(args, kwargs)
+    if changed and type(module) not in _TOLD:
+        _TOLD.add(type(module))
+        _log.warning(
+            "memfit: %s is checkpointed, so its cache is turned off while training (%s), as "
+            "Hugging Face's gradient checkpointing does.",
+            type(module).__name__,
+            ", ".join(changed),
+        )
     # NOTE: non-reentrant checkpointing replays the RNG state (dropout masks match) and
-    # records the autocast state, so the recompute runs at the forward's precision.
-    return _torch_checkpoint(
-        inner,
-        *args,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        **contexts,
-        **kwargs,
-    )
+    # records the autocast state, so the recompute runs at the forward's precision;
+    # run_checkpointed makes the recompute start from what the forward started from.
+    return run_checkpointed(inner, module, mode, args, kwargs)
+
+
+def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
+    """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
+    (segments): selective's policy for ``selective``, BatchNorm running statistics kept
+    through the recompute. Unlike a block's own checkpoint (:mod:`memfit.recompute`), they
+    make no copies for in-place writes."""
+    if mode == "selective":
+        fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+    else:
+        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
+    return fwd, _with(keep_running_stats(module), rec)
+
+
+@contextlib.contextmanager
+def _with(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 def refuse_double_checkpointing(model: nn.Module) -> None:
@@ -256,8 +106,6 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
     Raises:
         ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``.
     """
-    from memfit.integrations.hf import hf_checkpointing_active
-
     if hf_checkpointing_active(model):
         raise ConfigError(
             "Hugging Face gradient checkpointing is on for this model (gradient_checkpointing_enable()), "
@@ -268,16 +116,18 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
 
 
 def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:
-    """Set each named block's checkpointing mode (``none``, ``selective`` or ``full``)."""
-    names = _resolve(model, list(modes))
+    """Set each block's checkpointing mode (``none``, ``selective`` or ``full``).
+
+    ``modes`` maps a qualified module name, or a class name (all its outermost modules), to a mode.
+    """
     bad = {n: m for n, m in modes.items() if m not in CHECKPOINT_MODES}
     if bad:
         raise ConfigError(f"unknown checkpointing mode(s) {bad}; use one of {', '.join(CHECKPOINT_MODES)}.")
-    if any(m != "none" for m in modes.values()):
+    resolved = {n: mode for key, mode in modes.items() for n in resolve_blocks(model, [key])}
+    if any(m != "none" for m in resolved.values()):
         refuse_double_checkpointing(model)
-    for name in names:
+    for name, mode in resolved.items():
         module = model.get_submodule(name)
-        mode = modes[name]
         if mode == "none":
             set_forward_layer(module, _TAG, None)
         else:
@@ -295,7 +145,8 @@ def checkpoint(
 
     Args:
         model: the model to change in place.
-        blocks: ``"auto"`` (:func:`find_blocks`) or a list of qualified module names.
+        blocks: ``"auto"`` (:func:`find_blocks`), or a list of qualified module names or
+            class names (``["LlamaDecoderLayer"]``: every outermost module of that class).
         mode: ``"full"`` recomputes the whole block in backward; ``"selective"`` keeps
             matmul/attention/conv outputs and recomputes the rest; ``"none"`` removes
             checkpointing from these blocks.
@@ -315,7 +166,7 @@ def checkpoint(
         raise ConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}.")
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"every must be a positive integer, got {every!r}.")
-    names = _resolve(model, blocks)
+    names = resolve_blocks(model, blocks)
     return set_block_modes(model, {n: mode for i, n in enumerate(names) if i % every == 0})
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,9 +27,8 @@ from typing import Any
 
 import tomllib
 
-from memfit.budget import Budget
+from memfit.config_rules import validate_config
 from memfit.errors import ConfigError
-from memfit.vocab import CHECKPOINT_MODES, PRECISION_CHOICES
 
 __all__ = [
     "Config",
@@ -37,8 +37,13 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "TrainConfig",
+    "config_from_dict",
     "load_config",
+    "read_toml",
 ]
+
+#: TOML's integers are 64-bit; larger ones are typing mistakes that would overflow later.
+_MAX_INT = 2**63 - 1
 
 
 @dataclass(kw_only=True)
@@ -125,8 +130,9 @@ class TrainConfig:
 class MemoryConfig:
     """Precision and checkpointing."""
 
-    precision: str = "fp32"
-    """``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"``."""
+    precision: str = "auto"
+    """``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"auto"`` (fp32 and what the device runs natively;
+    the default of ``memfit.plan`` and ``memfit.Precision`` too)."""
     checkpointing: str = "none"
     """``"none"``, ``"full"``, ``"selective"``, ``"every:K"`` or ``"auto"`` (needs budget)."""
     budget: str = ""
@@ -148,73 +154,11 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate_config(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain nested dicts, e.g. for a report."""
         return dataclasses.asdict(self)
-
-
-def _validate(cfg: Config) -> None:
-    positive = {
-        "train.batch_size": cfg.train.batch_size,
-        "train.grad_accum": cfg.train.grad_accum,
-        "train.steps": cfg.train.steps,
-        "train.eval_batches": cfg.train.eval_batches,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key} must be at least 1, got {value}.")
-    for key, value in {
-        "train.eval_every": cfg.train.eval_every,
-        "train.checkpoint_every": cfg.train.checkpoint_every,
-    }.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be 0 or more, got {value}.")
-    if cfg.train.batch_size % cfg.train.grad_accum:
-        raise ConfigError(
-            f"train.batch_size ({cfg.train.batch_size}) must be divisible by train.grad_accum "
-            f"({cfg.train.grad_accum})."
-        )
-    if cfg.optimizer.lr <= 0:
-        raise ConfigError(f"optimizer.lr must be positive, got {cfg.optimizer.lr}.")
-    if len(cfg.optimizer.betas) != 2 or not all(0 <= b < 1 for b in cfg.optimizer.betas):
-        raise ConfigError(f"optimizer.betas must be two numbers in [0, 1), got {cfg.optimizer.betas}.")
-    if cfg.optimizer.schedule not in ("constant", "cosine"):
-        raise ConfigError(f"optimizer.schedule {cfg.optimizer.schedule!r} is not one of constant, cosine.")
-    if cfg.optimizer.warmup_steps < 0:
-        raise ConfigError(f"optimizer.warmup_steps must be 0 or more, got {cfg.optimizer.warmup_steps}.")
-    if cfg.optimizer.clip_norm < 0:
-        raise ConfigError(f"optimizer.clip_norm must be 0 or more, got {cfg.optimizer.clip_norm}.")
-    ckpt = cfg.memory.checkpointing
-    if ckpt not in (*CHECKPOINT_MODES, "auto") and not _is_every(ckpt):
-        raise ConfigError(
-            f"memory.checkpointing {ckpt!r} is not one of {', '.join(CHECKPOINT_MODES)}, every:K, auto."
-        )
-    if ckpt == "auto" and not cfg.memory.budget:
-        raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
-    if cfg.memory.budget:
-        # NOTE: only the syntax is checked here; a percentage is resolved against the
-        # baseline peak once that is measured.
-        Budget.parse(cfg.memory.budget, what="memory.budget")
-    if cfg.memory.precision not in PRECISION_CHOICES:
-        raise ConfigError(
-            f"memory.precision {cfg.memory.precision!r} is not one of {', '.join(PRECISION_CHOICES)}."
-        )
-    if cfg.memory.on_overflow not in ("stop", "fallback"):
-        raise ConfigError(f"memory.on_overflow {cfg.memory.on_overflow!r} is not one of stop, fallback.")
-    if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
-        raise ConfigError(
-            f"model.name {cfg.model.name!r} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "
-            "'import:package.module:factory'."
-        )
-    if cfg.train.distributed not in ("none", "ddp", "fsdp2"):
-        raise ConfigError(f"train.distributed {cfg.train.distributed!r} is not one of none, ddp, fsdp2.")
-
-
-def _is_every(value: str) -> bool:
-    head, _, tail = value.partition(":")
-    return head == "every" and tail.isdigit() and int(tail) >= 1
 
 
 def _type_name(tp: Any) -> str:
@@ -244,6 +188,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if tp is int and isinstance(value, bool):
         raise ConfigError(f"{key} must be an integer, got {value!r}.")
+    if tp is int and isinstance(value, int) and abs(value) > _MAX_INT:
+        raise ConfigError(f"{key} is too large ({len(str(value))} digits); give at most {_MAX_INT}.")
     if isinstance(tp, type) and not isinstance(value, tp):
         raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
     return value
@@ -253,7 +199,9 @@ def _parse_value(text: str) -> Any:
     """Read an override's value as TOML (numbers, booleans, lists, quoted strings) or text."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, ValueError, RecursionError, KeyError):
+        # NOTE: ValueError: an integer of more than 4300 digits; KeyError: text that is a
+        # whole TOML document of its own ("1\n[v]" defines no key v).
         return text
 
 
@@ -268,6 +216,15 @@ def _set(tree: dict[str, Any], key: str, value: Any) -> None:
         tree[section].setdefault("kwargs", {})[name.split(".", 1)[1]] = value
     else:
         tree[section][name] = value
+
+
+def _budget_text(value: Any) -> Any:
+    """A budget given as a number of bytes (``budget = 2000000``) becomes its text."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"memory.budget must be a finite number of bytes, got {value!r}.")
+    return str(value) if isinstance(value, int) else format(value, "f")
 
 
 def _build(tree: dict[str, Any]) -> Config:
@@ -291,30 +248,49 @@ def _build(tree: dict[str, Any]) -> Config:
                 close = difflib.get_close_matches(key, valid, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(valid)}"
                 raise ConfigError(f"unknown config key {key!r}{hint}.")
+            if key == "memory.budget":
+                value = _budget_text(value)
             kwargs[name] = _coerce(key, field_types[name], value)
         built[section] = cls(**kwargs)
     return Config(**built)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    """Read a TOML config (or the defaults, for ``None``) and apply ``section.key=value`` overrides.
+def config_from_dict(tree: dict[str, Any], overrides: list[str] | None = None) -> Config:
+    """Build a Config from nested dicts (a parsed TOML file, or ``Config.to_dict()``) and overrides.
 
     Raises:
-        ConfigError: the file is missing or not TOML, a key is unknown, a value has the
-            wrong type, or the combination is impossible.
+        ConfigError: a key is unknown, a value has the wrong type, or the combination is
+            impossible.
     """
-    tree: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; give the path of a TOML file.")
-        try:
-            tree = tomllib.loads(p.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}.") from None
+    tree = {k: dict(v) if isinstance(v, dict) else v for k, v in tree.items()}
     for item in overrides or []:
         key, eq, text = item.partition("=")
         if not eq:
             raise ConfigError(f"--set {item!r} must look like section.key=value.")
         _set(tree, key.strip(), _parse_value(text.strip()))
     return _build(tree)
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """The parsed TOML file at ``path``; a ConfigError naming the problem if it cannot be read."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise ConfigError(f"config file {str(p)!r} is a directory; give the path of a TOML file.")
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; give the path of a TOML file.")
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror or exc}).") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}.") from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Read a TOML config (or the defaults, for ``None``) and apply ``section.key=value`` overrides.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or not TOML, a key is unknown, a value
+            has the wrong type, or the combination is impossible.
+    """
+    return config_from_dict(read_toml(path) if path is not None else {}, overrides)

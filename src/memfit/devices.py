@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from memfit.errors import ConfigError
 from memfit.records import Record
 from memfit.vocab import MIXED_PRECISIONS
 
@@ -30,6 +31,7 @@ __all__ = [
     "device_facts",
     "recommend_precision",
     "recommendation_line",
+    "resolve_device",
 ]
 
 
@@ -168,6 +170,44 @@ def default_device() -> torch.device:
         if torch.cuda.is_available()
         else torch.device("cpu")
     )
+
+
+def resolve_device(value: str, what: str = "train.device") -> torch.device:
+    """The device a config names (``"auto"``: :func:`default_device`), checked to exist here.
+
+    Raises:
+        ConfigError: the name is not a device, or this machine (or this build of torch)
+            does not have it.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if value == "auto":
+        return default_device()
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"{what} {value!r} is not a device; use 'auto', 'cpu' or 'cuda:N'.") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            built = (
+                "this torch has no CUDA support"
+                if torch.version.cuda is None
+                else "no CUDA device is visible"
+            )
+            raise ConfigError(f"{what} is {value!r} but {built}; use 'cpu' or 'auto'.")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"{what} is {value!r} but this machine has {torch.cuda.device_count()} CUDA device(s); "
+                "use cuda:0 or 'auto'."
+            )
+    elif dev.type == "mps":
+        if not torch.backends.mps.is_available():
+            raise ConfigError(f"{what} is {value!r} but MPS is not available here; use 'cpu' or 'auto'.")
+    elif dev.type != "cpu":
+        raise ConfigError(f"{what} {value!r} is not supported; use 'auto', 'cpu', 'cuda:N' or 'mps'.")
+    return dev
 
 
 def recommend_precision(facts: DeviceFacts) -> str:

@@ -8,14 +8,33 @@ catch the class they care about.
 
 from __future__ import annotations
 
+import torch
+
 __all__ = [
     "ConfigError",
     "InfeasibleBudget",
     "MemfitError",
     "NonFiniteLoss",
+    "OutOfMemory",
     "StateError",
     "UnsupportedPrecision",
+    "UsageError",
+    "is_out_of_memory",
 ]
+
+_OOM_MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says an allocation failed (CUDA, MPS or the CPU allocator, or Python).
+
+    Example:
+        >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError())
+        (True, False)
+    """
+    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
 
 
 class MemfitError(Exception):
@@ -24,6 +43,10 @@ class MemfitError(Exception):
 
 class ConfigError(MemfitError, ValueError):
     """A configuration value, argument or file is invalid."""
+
+
+class UsageError(ConfigError):
+    """The command line cannot be parsed (an unknown option, a missing value)."""
 
 
 class UnsupportedPrecision(MemfitError, ValueError):
@@ -63,3 +86,17 @@ class NonFiniteLoss(MemfitError):
 
 class StateError(MemfitError):
     """A training-state file is missing, truncated, damaged or does not fit this run."""
+
+
+class OutOfMemory(MemfitError, torch.OutOfMemoryError):
+    """A training step ran out of memory and could not be re-planned and run again.
+
+    It is also a ``torch.OutOfMemoryError``, so code that catches PyTorch's error catches it.
+
+    Attributes:
+        state_path: the file holding the training state from before the step, or None.
+    """
+
+    def __init__(self, message: str, state_path: object | None = None) -> None:
+        super().__init__(message)
+        self.state_path = state_path

@@ -59,7 +59,10 @@ def main() -> None:
         "blocks": chosen.blocks,
         "micro_batches": chosen.micro_batches,
     }
-    print("RESULT " + json.dumps(row), flush=True)
+    # NOTE: one write of the whole line: both ranks share the pipe, and print() writes the
+    # newline separately, so the other rank's line could land between the two.
+    sys.stdout.write("RESULT " + json.dumps(row) + "\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -2,7 +2,8 @@
 
 One process with the global batch is the reference: a DDP run and an FSDP2 run, each
 stopped after 2 steps and resumed to 4, must reproduce its 4 losses, and the FSDP2
-per-rank measured peak must be within the plan's per-rank prediction.
+per-rank measured peak must be within the plan's per-rank prediction. With
+``checkpointing = "auto"`` every rank runs rank 0's plan and stays within the budget.
 """
 
 from __future__ import annotations
@@ -103,20 +104,59 @@ def test_fsdp2_per_rank_peak_within_plan_prediction() -> None:
         assert r["measured"] >= 0.8 * r["predicted"], f"prediction far above the measured peak: {r}"
 
 
-def test_auto_checkpointing_refused_under_torchrun(tmp_path: Path) -> None:
+AUTO = """
+[model]
+n_layer = 4
+n_embd = 32
+n_head = 2
+block_size = 64
+dropout = 0.0
+[data]
+path = "{data}"
+val_fraction = 0.1
+[train]
+batch_size = 8
+steps = 3
+eval_every = 0
+eval_batches = 1
+device = "cpu"
+seed = 5
+[memory]
+checkpointing = "auto"
+budget = "60%"
+"""
+
+
+@pytest.fixture(scope="module")
+def auto_setup(setup: tuple[Path, list[float]]) -> tuple[Path, list[float]]:
     from memfit.config import load_config
-    from memfit.errors import ConfigError
     from memfit.train.run import train_from_config
 
-    cfg = load_config(
-        None,
-        [
-            "memory.checkpointing='auto'",
-            "memory.budget='60%'",
-            "train.distributed='ddp'",
-            f"train.out='{tmp_path / 'out'}'",
-        ],
+    tmp = setup[0].parent
+    config = tmp / "auto.toml"
+    config.write_text(AUTO.format(data=tmp / "corpus.txt"), encoding="utf-8")
+    run = train_from_config(
+        load_config(config, [f"train.out='{tmp / 'auto-single'}'"]), progress=False, echo=lambda _: None
     )
-    with pytest.raises(ConfigError, match="plans for one process"):
-        train_from_config(cfg, progress=False, echo=lambda _: None)
-    assert not (tmp_path / "out").exists(), "nothing may be written before the refusal"
+    return config, [m.loss for m in run.history]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_auto_checkpointing_under_torchrun(auto_setup: tuple[Path, list[float]], mode: str) -> None:
+    """Planned on rank 0 for one rank's memory, broadcast: every rank runs it, within the budget."""
+    config, reference = auto_setup
+    out = config.parent / f"auto-{mode}"
+    _torchrun("-m", "memfit", "train", str(config), "--quiet", "--set", f"train.distributed='{mode}'",
+              "--set", f"train.out='{out}'")  # fmt: skip
+    ranks = json.loads((out / "ranks.json").read_text())
+    rows, budget = ranks["ranks"], ranks["budget_bytes"]
+    assert [r["rank"] for r in rows] == [0, 1] and budget > 0
+    keys = ("blocks", "segments", "precision", "micro_batches")
+    assert all(all(r[k] == rows[0][k] for k in keys) for r in rows), rows
+    assert rows[0]["blocks"], "a 60% budget must checkpoint something"
+    for r in rows:
+        assert r["peak_bytes"] is not None and 0 < r["peak_bytes"] <= budget, (r, budget)
+    losses = [m.loss for m in read_metrics(out / "metrics.jsonl")]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), **LOSS_TOL)
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert "every rank ran the same plan" in report and "planned to" in report

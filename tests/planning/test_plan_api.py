@@ -7,6 +7,7 @@ import torch
 from conftest import tiny_gpt, token_batch
 
 import memfit
+from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks
 from memfit.planning.planner import plan_from_profiles
 from memfit.planning.solver import minimum_peak
@@ -99,11 +100,17 @@ def test_precision_chosen_by_time_among_those_that_fit() -> None:
 
 def test_infeasible_budget_says_what_dominates() -> None:
     prof = _profile()
-    fixed = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes + prof.optimizer_temp_bytes
+    state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
+    assert prof.optimizer_temp_bytes > 0
     with pytest.raises(memfit.InfeasibleBudget) as info:
-        plan_from_profiles({"fp32": prof}, fixed - 1)
-    assert "parameters + gradients + AdamW state alone take" in str(info.value)
-    assert info.value.minimum_bytes > info.value.budget_bytes == fixed - 1
+        plan_from_profiles({"fp32": prof}, state - 1)
+    # What every step holds, without the optimizer step's temporaries.
+    assert f"parameters + gradients + AdamW state alone take {format_bytes(state)};" in str(info.value)
+    assert info.value.minimum_bytes > info.value.budget_bytes == state - 1
+    with pytest.raises(memfit.InfeasibleBudget) as info:
+        plan_from_profiles({"fp32": prof}, state + prof.optimizer_temp_bytes - 1)
+    assert f"AdamW state take {format_bytes(state)} and the optimizer step" in str(info.value)
+    assert "alone" not in str(info.value)
     smallest = minimum_peak(prof, 8).peak_bytes
     with pytest.raises(memfit.InfeasibleBudget) as info:
         plan_from_profiles({"fp32": prof}, smallest - 1)

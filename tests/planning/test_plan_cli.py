@@ -31,8 +31,9 @@ def test_plan_cli_prints_the_plan_and_writes_json(tmp_path: Path, capsys: pytest
     text = capsys.readouterr().out
     plan = Plan.from_json(out.read_text())
     assert set(plan.blocks) == {"blocks.0", "blocks.1"}
+    in_segment = {n for seg in plan.segments for n in seg}
     for name, mode in plan.blocks.items():
-        assert f"{name}  {mode}" in text
+        assert f"{name}  {'segment' if name in in_segment else mode}" in text
     assert "of the baseline" in text and "predicted" in text and f"plan written to {out}" in text
     assert 0 < plan.measured_peak_bytes <= plan.budget_bytes == int(0.85 * plan.baseline_peak_bytes)
 

@@ -1,6 +1,9 @@
 """The bench's picture: peak memory (x, MiB) against step time (y, ms), one labelled point per strategy.
 
-The Pareto front is drawn as a line through its points, the budget as a vertical line.
+The Pareto front is drawn as a line through its points, the budget as a vertical line, and
+the recommended strategy (the fastest measured one within the budget) is ringed. The x axis
+spans the measured points only: a budget far beyond them is marked at the edge with an
+arrow instead of stretching the axis until the points crowd together.
 Labels are placed greedily: each tries offsets around its point, nearest first, and takes
 the first whose box overlaps no label, point or axes edge already there (a thin leader
 line joins a label moved far from its point). Trade-off: greedy placement is simple and
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memfit.benchmarking.pareto import fastest_within
 from memfit.budget import format_bytes
 from memfit.records import BenchPoint
 
@@ -108,7 +112,8 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
 
     Args:
         points: what :func:`memfit.bench` returned (failed points are left out).
-        budget_bytes: drawn as a dashed vertical line when given.
+        budget_bytes: drawn as a dashed vertical line when given (an arrow at the edge when
+            it is far from the measured points); the strategy it recommends is ringed.
         title: appended to the plot's title (e.g. the device).
 
     Returns:
@@ -142,24 +147,31 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
             label="Pareto front",
             zorder=2,
         )
-    if budget_bytes is not None:
-        ax.axvline(
-            budget_bytes / _MIB,
-            color="#9467bd",
-            ls="--",
-            lw=1.3,
-            label=f"budget {format_bytes(budget_bytes)}",
+    best = fastest_within(ok, budget_bytes) if budget_bytes is not None else None
+    if best is not None:
+        ax.scatter(
+            [best.peak_bytes / _MIB],
+            [best.step_seconds * 1e3],
+            s=200,
+            facecolors="none",
+            edgecolors="black",
+            linewidths=1.6,
+            label=f"recommended: {best.strategy}",
+            zorder=4,
         )
     ax.set_xlabel("peak memory per training step (MiB)")
     ax.set_ylabel("step time, median (ms)")
     ax.set_title("memfit bench: memory against step time" + (f" ({title})" if title else ""))
     ax.grid(True, alpha=0.3)
     if xs:
-        lo_x = min(xs + ([budget_bytes / _MIB] if budget_bytes else []))
-        hi_x = max(xs + ([budget_bytes / _MIB] if budget_bytes else []))
+        # NOTE: the axis spans the measured points; the budget only joins it when it is near.
+        lo_x, hi_x = min(xs), max(xs)
         pad_x = (hi_x - lo_x) * 0.18 or max(hi_x * 0.1, 1e-3)
+        left, right = lo_x - pad_x, hi_x + pad_x
+        if budget_bytes is not None and left - pad_x <= budget_bytes / _MIB <= right + pad_x:
+            left, right = min(left, budget_bytes / _MIB - pad_x), max(right, budget_bytes / _MIB + pad_x)
         pad_y = (max(ys) - min(ys)) * 0.18 or max(max(ys) * 0.1, 1e-3)
-        ax.set_xlim(lo_x - pad_x, hi_x + pad_x)
+        ax.set_xlim(left, right)
         if min(ys) > 0 and max(ys) / min(ys) > 8:
             # NOTE: emulated precisions can be 20x slower; a log axis keeps the rest apart.
             ax.set_yscale("log")
@@ -169,11 +181,32 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
             ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
         else:
             ax.set_ylim(max(0.0, min(ys) - pad_y), max(ys) + pad_y)
+    edge = _draw_budget(ax, budget_bytes) if budget_bytes is not None else None
     legend = ax.legend(loc="best", fontsize=8, framealpha=0.85)
     fig.tight_layout()
-    obstacles = [legend.get_window_extent()]
+    obstacles = [legend.get_window_extent()] + ([edge.get_window_extent()] if edge is not None else [])
     _place_labels(fig, ax, xs, ys, [p.strategy for p in ok], obstacles)
     return fig
+
+
+def _draw_budget(ax: Any, budget_bytes: int) -> Any:
+    """The budget as a dashed vertical line, or (returned) a note at the edge when it is off the axis."""
+    label = f"budget {format_bytes(budget_bytes)}"
+    x = budget_bytes / _MIB
+    left, right = ax.get_xlim()
+    if left <= x <= right:
+        ax.axvline(x, color="#9467bd", ls="--", lw=1.3, label=label)
+        return None
+    beyond = x > right
+    return ax.annotate(
+        f"{label} \u2192" if beyond else f"\u2190 {label}",
+        xy=(0.99 if beyond else 0.01, 0.02),
+        xycoords="axes fraction",
+        ha="right" if beyond else "left",
+        va="bottom",
+        fontsize=9,
+        color="#9467bd",
+    )
 
 
 def plot_bench(

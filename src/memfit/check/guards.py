@@ -6,11 +6,11 @@ wrong, to replay the failed micro-batch and name the module that produced the fi
 non-finite value (:func:`memfit.check.attribution.attribute`).
 
 - fp16: a warning when the scaler skipped more than ``max_skip_fraction`` of the last
-  ``window`` steps, or when the scale fell below ``min_scale``; a non-finite loss is left
-  to the scaler (the step is skipped).
-- fp32 and bf16 have no scaler, so a non-finite loss would poison the weights: the step
-  is stopped before backward, the last good state (the weights before this step) is saved
-  and :class:`~memfit.errors.NonFiniteLoss` names the module, phase and dtype.
+  ``window`` steps (gradients overflowing), or when the scale fell below ``min_scale``.
+- A non-finite loss means the forward pass itself overflowed, which no loss scale can
+  repair (in fp16 every later step would be skipped, training nothing): in every precision
+  the step is stopped before backward, the last good state (the weights before this step)
+  is saved and :class:`~memfit.errors.NonFiniteLoss` names the module, phase and dtype.
 - ``on_overflow="fallback"``: fp16 switches to bf16 where the device runs bf16, otherwise
   (or with ``fallback_to="fp32_modules"``) the attributed module is kept in fp32; bf16 keeps
   the attributed module in fp32 once. Every change is logged with its step.
@@ -156,24 +156,30 @@ class Guard:
         step: int,
         micro_batches: int = 1,
         clip_norm: float | None = None,
+        run: Callable[[LossFn, Precision], StepResult] | None = None,
     ) -> tuple[StepResult, Precision]:
         """Run one guarded training step; returns its result and the precision to go on with.
+
+        ``run(loss_fn, precision)`` runs the step itself (the Trainer passes
+        :func:`memfit.loop.planned_step`); default :func:`memfit.step.training_step` with
+        ``micro_batches`` and ``clip_norm``.
 
         Raises:
             NonFiniteLoss: an fp32 or bf16 loss was not finite and nothing could fall back.
         """
+        if run is None:
+
+            def run(fn: LossFn, p: Precision) -> StepResult:
+                return training_step(model, batch, fn, optimizer, p, micro_batches, clip_norm)
+
         if not self.config.enabled:
-            return training_step(
-                model, batch, loss_fn, optimizer, precision, micro_batches, clip_norm
-            ), precision
+            return run(loss_fn, precision), precision
         for _ in range(3):  # at most two fallbacks for one step
-            scaled = precision.scaler.is_enabled()
-            fn = loss_fn if scaled and self.config.on_overflow == "stop" else _checked(loss_fn)
             try:
-                result = training_step(model, batch, fn, optimizer, precision, micro_batches, clip_norm)
+                result = run(_checked(loss_fn), precision)
             except _LossNotFinite as bad:
                 nf = attribute(model, bad.batch, loss_fn, precision, step, bad.rng, bad.cuda_rng)
-                precision = self._recover(model, precision, step, nf, f"loss is {bad.value}")
+                precision = self._recover(model, precision, step, nf, f"loss is {bad.value}", forward=True)
                 continue
             return result, self._observe(model, batch, loss_fn, precision, step, result)
         raise NonFiniteLoss(f"step {step} stayed non-finite after falling back; stopping.", None, None)
@@ -213,9 +219,19 @@ class Guard:
         return precision
 
     def _recover(
-        self, model: nn.Module, precision: Precision, step: int, nf: NonFinite | None, problem: str
+        self,
+        model: nn.Module,
+        precision: Precision,
+        step: int,
+        nf: NonFinite | None,
+        problem: str,
+        forward: bool = False,
     ) -> Precision:
-        """Fall back to a safer precision, or save the last good state and stop."""
+        """Fall back to a safer precision, or save the last good state and stop.
+
+        ``forward``: the loss itself was not finite (no loss scale can repair that), as
+        opposed to the fp16 scaler skipping steps because gradients overflow.
+        """
         where = _where(nf)
         if self.config.on_overflow == "fallback":
             new = self._fallback(model, precision, nf)
@@ -226,7 +242,7 @@ class Guard:
                 self._event(step, "fallback", f"{problem}; {where}; {change} from step {step} on", nf)
                 self._recent.clear()
                 return new
-        if precision.scaler.is_enabled():  # fp16 without a way out: the scaler keeps skipping
+        if precision.scaler.is_enabled() and not forward:  # gradients overflow: the scaler skips
             self._event(
                 step, "warning", f"{problem}; {where}; no fallback left, the scaler skips the step", nf
             )

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from memfit.apply import check_plan_fits
 from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
@@ -146,7 +147,10 @@ def check_stability(
     micro = plan.micro_batches if plan else 1
     with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
-        start = flat_params(checker.build())
+        first = checker.build()
+        if plan is not None:
+            check_plan_fits(first, plan)
+        start = flat_params(first)
         ref = checker.run("fp32", "fp32", order, seed, eval_batches)
         if None in ref.curve.losses or ref.curve.eval_loss is None:
             raise ConfigError(

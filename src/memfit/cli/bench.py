@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import torch
 
 from memfit.benchmarking.copies import batch_to
@@ -25,15 +24,16 @@ from memfit.benchmarking.strategies import builtin_strategies, resolve_strategie
 from memfit.benchmarking.sweep import bench
 from memfit.budget import Budget
 from memfit.cli.common import add_config_arguments, config_from_args
-from memfit.config import Config
-from memfit.devices import default_device, device_facts
+from memfit.config import Config, read_toml
+from memfit.devices import device_facts, resolve_device
 from memfit.errors import ConfigError
+from memfit.outputs import check_output_dir
 from memfit.train.build import build_model
 from memfit.train.data import BatchSampler, ByteCorpus
 
 HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "check", "run"]
 
 # NOTE: the bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a
 # modest default batch keeps a default run to a couple of minutes. Ratios between
@@ -86,16 +86,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _device(cfg: Config) -> torch.device:
-    value = cfg.train.device
-    if value == "auto":
-        return default_device()
-    try:
-        dev = torch.device(value)
-    except RuntimeError:
-        raise ConfigError(f"train.device {value!r} is not a device; use 'auto', 'cpu' or 'cuda:N'.") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device is {value!r} but no CUDA device is visible; use 'cpu' or 'auto'.")
-    return dev
+    return resolve_device(cfg.train.device)
 
 
 def _batch(cfg: Config, spec: Any, batch_size: int) -> Any:
@@ -110,8 +101,8 @@ def _configured_batch(args: argparse.Namespace) -> bool:
     if any(o.replace(" ", "").startswith("train.batch_size=") for o in args.overrides):
         return True
     if args.config:
-        with open(args.config, "rb") as f:
-            return "batch_size" in tomllib.load(f).get("train", {})
+        train = read_toml(args.config).get("train", {})
+        return isinstance(train, dict) and "batch_size" in train
     return False
 
 
@@ -133,31 +124,43 @@ def _command(args: argparse.Namespace) -> str:
     return " ".join(shlex.quote(p) for p in parts)
 
 
+def _names(args: argparse.Namespace) -> list[str] | None:
+    return [n.strip() for item in args.strategies for n in item.split(",") if n.strip()] or None
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse bad numbers, budgets, strategies, config, device or ``--out`` before anything is built."""
+    if args.list:
+        return
+    for flag, value in (("--steps", args.steps), ("--slow-steps", args.slow_steps)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be at least 1, got {value}.")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
+    if args.threads is not None and args.threads < 0:
+        raise ConfigError(f"--threads must be 0 or more, got {args.threads}.")
+    _check_budget(args.budget)
+    for b in [b.strip() for b in (args.plan or "").split(",") if b.strip()]:
+        Budget.parse(b, what="--plan budget")
+    cfg = config_from_args(args)
+    check_output_dir(args.out or cfg.train.out, "--out")
+    resolve_strategies(_names(args))  # unknown names fail before anything is built
+    _device(cfg)
+    _configured_batch(args)
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the model, bench the strategies, print the table and write the files."""
     if args.list:
         for s in builtin_strategies():
             print(s.name)
         return 0
-    names = [n.strip() for item in args.strategies for n in item.split(",") if n.strip()] or None
-    for flag, value in (("--steps", args.steps), ("--slow-steps", args.slow_steps)):
-        if value < 1:
-            raise ConfigError(f"{flag} must be at least 1, got {value}.")
-    if args.batch_size is not None and args.batch_size < 1:
-        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}.")
-    _check_budget(args.budget)
+    names = _names(args)
     plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
-    for b in plan_budgets:
-        Budget.parse(b, what="--plan budget")
     cfg = config_from_args(args)
     out = Path(args.out or cfg.train.out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a file; give a directory for bench.md/json/csv/png.")
-    resolve_strategies(names)  # unknown names fail before anything is built
     device = _device(cfg)
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
-    if threads < 0:
-        raise ConfigError(f"--threads must be 0 or more, got {threads}.")
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
@@ -223,6 +226,12 @@ def run(args: argparse.Namespace) -> int:
     meta["model"] = f"{cfg.model.name} ({params:,} parameters), batch {batch_size}"
     meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
     meta["torch threads"] = torch.get_num_threads()
-    paths = write_bench_files(points, out, budget, meta)
+    try:
+        paths = write_bench_files(points, out, budget, meta)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the bench files to {str(out)!r} ({exc.strerror or exc}); "
+            "the table is printed above."
+        ) from None
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     return 0

@@ -8,20 +8,24 @@ from pathlib import Path
 
 import torch
 
+from memfit.apply import check_plan_fits
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.config import Config
-from memfit.errors import ConfigError
+from memfit.devices import resolve_device
+from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.outputs import check_output_dir
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
 from memfit.train.build import build_model
 from memfit.train.data import BatchSampler, ByteCorpus
+from memfit.vocab import PRECISIONS
 
 HELP = "compare bf16/fp16 training against fp32 (noise band, overflow attribution): PASS, WARN or FAIL"
 
-__all__ = ["HELP", "SMALL_MODEL", "add_arguments", "run"]
+__all__ = ["HELP", "SMALL_MODEL", "add_arguments", "check", "run"]
 
 #: Without a config file the check trains this small built-in GPT (a minute or two on a CPU).
 SMALL_MODEL = [
@@ -51,15 +55,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
-    if path is not None:
-        p = Path(path)
+def _read_plan(path: str) -> Plan:
+    p = Path(path)
+    try:
         if not p.is_file():
             raise ConfigError(f"plan file {path!r} does not exist; give the path of a plan.json.")
-        try:
-            return Plan.from_json(p.read_text(encoding="utf-8"))
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(f"plan file {path!r} is not a memfit plan: {exc}.") from None
+        return Plan.from_json(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read plan file {path!r} ({exc.strerror or exc}).") from None
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"plan file {path!r} is not a memfit plan: {str(exc).rstrip('.')}.") from None
+
+
+def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
+    if path is not None:
+        plan = _read_plan(path)
+        check_plan_fits(model, plan)  # NOTE: a plan for another model is refused before any training
+        return plan
     mode = cfg.memory.checkpointing
     if mode == "none":
         return None if cfg.train.grad_accum == 1 else Plan(blocks={}, micro_batches=cfg.train.grad_accum)
@@ -100,12 +112,32 @@ def _summary(report: StabilityReport) -> str:
     return "\n".join(lines)
 
 
+def _precisions(text: str) -> list[str]:
+    precisions = [p.strip() for p in text.split(",") if p.strip()]
+    if not precisions:
+        raise ConfigError("--precisions is empty; give bf16, fp16 or both, e.g. --precisions bf16,fp16.")
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad:
+        raise UnsupportedPrecision(f"unknown precision {bad[0]!r} to check; use 'bf16' and/or 'fp16'.")
+    return precisions
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config, device, precision list, step count, plan file or ``--out`` before training."""
+    cfg = config_from_args(args, extra=SMALL_MODEL if args.config is None else None)
+    _precisions(args.precisions)
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    resolve_device(cfg.train.device)
+    if args.plan is not None:
+        _read_plan(args.plan)
+    check_output_dir(args.out or cfg.train.out, "--out")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the check; exit 0 for PASS or WARN, 1 for FAIL (2 for bad input)."""
     cfg = config_from_args(args, extra=SMALL_MODEL if args.config is None else None)
-    precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
+    precisions = _precisions(args.precisions)
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model)
     plan = _plan(cfg, spec.model, args.plan)
@@ -133,12 +165,19 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         plan=plan,
         eval_batches=evals,
-        device=None if cfg.train.device == "auto" else cfg.train.device,
+        device=resolve_device(cfg.train.device),
         clip_norm=o.clip_norm or None,
         seed=cfg.train.seed,
         progress=not args.quiet and sys.stderr.isatty(),
     )
-    paths = write_check_report(report, args.out or cfg.train.out)
     print(_summary(report))
+    try:
+        paths = write_check_report(report, args.out or cfg.train.out)
+    except OSError as exc:
+        print(report.to_json())  # NOTE: the work is not lost: the report goes to stdout
+        raise ConfigError(
+            f"cannot write the check report to {str(args.out or cfg.train.out)!r} ({exc.strerror or exc}); "
+            "the report is printed above."
+        ) from None
     print(f"wrote {paths['md']}, {paths['json']}, {paths['png']}")
     return 1 if report.verdict == "FAIL" else 0

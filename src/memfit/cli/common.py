@@ -28,5 +28,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool 
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Config:
-    """Load the config named by the arguments, with ``extra`` overrides applied first."""
-    return load_config(getattr(args, "config", None), [*(extra or []), *args.overrides])
+    """Load the config named by the arguments, with ``extra`` overrides applied first.
+
+    The config is read once per command line: a command's ``check`` and ``run`` share it.
+    """
+    cached = getattr(args, "_config", None)
+    if isinstance(cached, Config):
+        return cached
+    cfg = load_config(getattr(args, "config", None), [*(extra or []), *args.overrides])
+    args._config = cfg
+    return cfg

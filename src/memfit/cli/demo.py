@@ -25,8 +25,9 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 
 from memfit.apply import apply
-from memfit.budget import format_bytes
+from memfit.budget import Budget, format_bytes
 from memfit.errors import ConfigError
+from memfit.outputs import check_output_dir, write_text
 from memfit.planning.planner import plan
 from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
@@ -40,7 +41,7 @@ from memfit.train.trainer import Trainer
 
 HELP = "train the built-in GPT on Python's own source: the baseline, then in less memory"
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "check", "run"]
 
 #: The demo's model and batch: small enough for about two minutes on a busy 2-core CPU.
 _MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=64)
@@ -101,10 +102,16 @@ def _threads(asked: int | None) -> int:
     return 1 if busy else torch.get_num_threads()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the baseline and memfit side by side, then memfit alone; print and write the results."""
+def check(args: argparse.Namespace) -> None:
+    """Refuse bad step counts, a bad ``--budget`` or an unwritable ``--out`` before training."""
     if args.steps < 3 or not 3 <= args.baseline_steps <= args.steps:
         raise ConfigError("--steps must be at least 3 and --baseline-steps between 3 and --steps.")
+    Budget.parse(args.budget, what="--budget")
+    check_output_dir(args.out, "--out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the baseline and memfit side by side, then memfit alone; print and write the results."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(_threads(args.threads))
@@ -216,5 +223,5 @@ def _finish(
         "![memory](memory.png)",
         "",
     ]
-    (out / "report.md").write_text("\n".join(report), encoding="utf-8")
+    write_text(out / "report.md", "\n".join(report), "the demo report")
     print(f"wrote {out / 'report.md'}, {out / 'metrics.jsonl'}, {out / 'loss.png'}, {out / 'memory.png'}")

@@ -20,7 +20,7 @@ from memfit.vocab import PRECISIONS
 
 HELP = "predict peak memory for every precision x checkpointing mode with fake tensors (no allocation)"
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "check", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="estimate only this precision (repeatable; default: fp32, bf16 and fp16)",
     )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config or ``--device-memory`` before estimating."""
+    if args.device_memory is not None:
+        parse_bytes(args.device_memory, what="device memory")
+    config_from_args(args)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from memfit.config import Config
-from memfit.devices import default_device
+from memfit.devices import resolve_device
 from memfit.step import Batch
 from memfit.train.build import ModelSpec, build_model
 
@@ -47,7 +47,7 @@ def optimizer_fn(cfg: Config) -> Callable[[Iterable[nn.Parameter]], torch.optim.
 
 def run_device(cfg: Config) -> torch.device:
     """``train.device``, with ``auto`` resolved to the first GPU or the CPU."""
-    return default_device() if cfg.train.device == "auto" else torch.device(cfg.train.device)
+    return resolve_device(cfg.train.device)
 
 
 def describe(batch: Batch) -> str:

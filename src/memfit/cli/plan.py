@@ -3,25 +3,26 @@
 Example:
     memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
     memfit plan run.toml --budget 2GiB --out plan.json
+    memfit plan --maximize batch_size --budget 24GiB     # the largest batch that fits
 """
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
-from memfit.planning.planner import plan
+from memfit.outputs import check_output_file, write_text
+from memfit.planning.maximize import MAXIMIZE, plan, resize_batch
 from memfit.records import Plan
 from memfit.report.table import text_table
 from memfit.vocab import PRECISION_CHOICES
 
 HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
 
-__all__ = ["HELP", "add_arguments", "plan_table", "run"]
+__all__ = ["HELP", "add_arguments", "check", "plan_table", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,8 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--precision",
         nargs="+",
         choices=PRECISION_CHOICES,
-        help="precision(s) to choose from (default: memory.precision of the config; auto = fp32 and "
-        "what the device runs natively)",
+        help="precision(s) to choose from (default: memory.precision of the config, auto: fp32 and "
+        "what the device runs natively, as memfit.plan in Python)",
+    )
+    parser.add_argument(
+        "--maximize",
+        choices=MAXIMIZE,
+        help="batch_size: find the largest batch (at the configured sequence length) that a plan fits "
+        "without micro-batches, starting from train.batch_size",
     )
     parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
     parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
@@ -46,26 +53,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def plan_table(result: Plan) -> str:
-    """One row per block: its checkpointing mode."""
+    """One row per block: its checkpointing mode (``segment k`` for a block in a segment)."""
+    segment_of = {name: k for k, seg in enumerate(result.segments, 1) for name in seg}
     counts: dict[str, int] = {}
-    for mode in result.blocks.values():
-        counts[mode] = counts.get(mode, 0) + 1
-    rows = [[name, mode] for name, mode in result.blocks.items()]
-    summary = ", ".join(f"{n} {m}" for m, n in sorted(counts.items()))
-    return text_table(["block", "checkpointing"], rows) + f"\n({summary})"
+    rows = []
+    for name, mode in result.blocks.items():
+        shown = f"segment {segment_of[name]}" if name in segment_of else mode
+        if name not in segment_of:
+            counts[mode] = counts.get(mode, 0) + 1
+        rows.append([name, shown])
+    parts = [f"{n} {m}" for m, n in sorted(counts.items())]
+    parts += [
+        f"segment {k}: {len(seg)} blocks checkpointed as one" for k, seg in enumerate(result.segments, 1)
+    ]
+    return text_table(["block", "checkpointing"], rows) + f"\n({', '.join(parts)})"
 
 
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b > 0 else "n/a"
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the model, plan it under the budget, print the plan and write plan.json."""
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config, budget, device or ``--out`` before the model is built."""
     cfg = config_from_args(args)
     budget_text = args.budget if args.budget is not None else cfg.memory.budget
     if not budget_text:
         raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
-    budget = Budget.parse(budget_text)  # a bad budget is refused before the model is built
+    Budget.parse(budget_text)
+    run_device(cfg)
+    check_output_file(args.out, "--out")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, plan it under the budget, print the plan and write plan.json."""
+    cfg = config_from_args(args)
+    budget = Budget.parse(args.budget if args.budget is not None else cfg.memory.budget)
     precisions = args.precision or [cfg.memory.precision]
     choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
     device = run_device(cfg)
@@ -73,19 +95,28 @@ def run(args: argparse.Namespace) -> int:
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
-    result = plan(model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check)
-    Path(args.out).write_text(result.to_json() + "\n", encoding="utf-8")
+    result = plan(
+        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize
+    )
+    try:
+        write_text(args.out, result.to_json() + "\n", "the plan")
+    except ConfigError as exc:
+        print(result.to_json())  # NOTE: the work is not lost: the plan goes to stdout
+        raise ConfigError(f"{str(exc).rstrip('.')}; the plan is printed above.") from None
     if args.json:
         print(result.to_json())
         return 0
     print(
-        f"{type(model).__name__} on {device}, batch {describe(batch)}: budget "
+        f"{type(model).__name__} on {device}, batch "
+        f"{describe(resize_batch(batch, result.batch_size) if args.maximize else batch)}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
         f"{format_bytes(result.baseline_peak_bytes)}"
     )
     print()
     print(plan_table(result))
     print()
+    if args.maximize:
+        print(f"batch size     {result.batch_size} (the largest that fits at this sequence length)")
     print(f"precision      {result.precision}")
     print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
     print(
@@ -97,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
         f"step time      predicted {_ratio(result.predicted_step_seconds, result.baseline_step_seconds)} "
         "of the baseline"
     )
+    print(f"planned in     {result.planning_seconds:.1f} s, measuring:")
+    for line in result.measured:
+        print(f"  - {line}")
     for note in result.notes:
         print(f"note: {note}")
     print(f"plan written to {args.out}")

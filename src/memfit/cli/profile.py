@@ -8,13 +8,13 @@ Example:
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
 from memfit.measuring.profile import profile
+from memfit.outputs import check_output_file, write_text
 from memfit.precision import Precision
 from memfit.records import EstimateEntry
 from memfit.report.memory_tables import block_table, strategy_table, verdict_line
@@ -23,7 +23,7 @@ from memfit.vocab import PRECISION_CHOICES
 
 HELP = "profile each block's kept memory, backward peak, time and FLOPs under none/selective/full"
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "check", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,13 +40,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="FILE", help="also write the profile as JSON to FILE")
 
 
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config, device, ``--device-memory``, ``--repeats`` or ``--out`` before profiling."""
+    if args.device_memory is not None:
+        parse_bytes(args.device_memory, what="device memory")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
+    run_device(config_from_args(args))
+    if args.out:
+        check_output_file(args.out, "--out")
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the model on its device, profile it, print the block and strategy tables."""
     memory = None
     if args.device_memory is not None:
         memory = parse_bytes(args.device_memory, what="device memory")
-    if args.repeats < 1:
-        raise ConfigError(f"--repeats must be at least 1, got {args.repeats}.")
     cfg = config_from_args(args)
     device = run_device(cfg)
     precision = Precision(args.precision or cfg.memory.precision, device=device)
@@ -56,7 +65,11 @@ def run(args: argparse.Namespace) -> int:
     opt = optimizer_fn(cfg)(model.parameters())
     prof = profile(model, batch, spec.loss_fn, opt, precision, repeats=args.repeats)
     if args.out:
-        Path(args.out).write_text(prof.to_json() + "\n", encoding="utf-8")
+        try:
+            write_text(args.out, prof.to_json() + "\n", "the profile")
+        except ConfigError as exc:
+            print(prof.to_json())  # NOTE: the work is not lost: the profile goes to stdout
+            raise ConfigError(f"{str(exc).rstrip('.')}; the profile is printed above.") from None
     if args.json:
         print(prof.to_json())
         return 0

@@ -1,15 +1,23 @@
-"""``memfit train CONFIG.toml``: train as the config says, with metrics, a report and resume."""
+"""``memfit train CONFIG.toml``: train as the config says, with metrics, a report and resume.
+
+``memfit train --resume STATE`` needs no config file: the state holds the run's config, and
+``--set`` options change it (``--resume STATE --set train.steps=400`` trains on for longer).
+"""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.devices import resolve_device
+from memfit.train.resume import resolve_resume
 from memfit.train.run import INTERRUPTED, train_from_config
+from memfit.train.setup import check_run
 
 HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "add_arguments", "check", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,7 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="auto",
         default=None,
         metavar="STATE",
-        help="continue from a saved training state (default: state.pt in train.out)",
+        help="continue from a saved training state (default: state.pt in train.out); the state "
+        "holds the run's config, --set changes it",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
@@ -29,11 +38,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no per-evaluation lines")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+def _normalize(args: argparse.Namespace) -> None:
     if args.config is None and args.resume and args.resume.endswith(".toml"):
         # NOTE: `memfit train --resume CONFIG.toml`: argparse gives the config to --resume.
         args.config, args.resume = args.resume, "auto"
+
+
+def check(args: argparse.Namespace) -> None:
+    """Refuse a bad config, device, output directory or missing state before anything is built."""
+    _normalize(args)
+    cfg = config_from_args(args)
+    if args.resume:
+        resolve_resume(args.resume, Path(cfg.train.out))  # the state itself is read once, by run
+        resolve_device(cfg.train.device)
+    else:
+        check_run(cfg, None, args.overwrite)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+    _normalize(args)
     cfg = config_from_args(args)
     result = train_from_config(
         cfg,
@@ -41,5 +65,6 @@ def run(args: argparse.Namespace) -> int:
         progress=False if args.quiet else None,
         echo=(lambda _line: None) if args.quiet else print,
         overwrite=args.overwrite,
+        overrides=list(args.overrides) if args.resume and args.config is None else None,
     )
     return 130 if result.trainer.stop_reason == INTERRUPTED else 0

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
+from memfit.hf_probe import hf_checkpointing_active
 
 __all__ = [
     "build_hf_causal_lm",
@@ -39,6 +41,7 @@ __all__ = [
     "hf_causal_loss",
     "hf_checkpointing_active",
     "hf_model_type",
+    "prepare",
     "require_transformers",
 ]
 
@@ -174,15 +177,6 @@ def _takes_cache(model: nn.Module) -> bool:
     return bool(config is not None and not _is_encoder(config))
 
 
-def hf_checkpointing_active(model: nn.Module) -> bool:
-    """Whether Hugging Face's ``gradient_checkpointing_enable()`` is on for ``model``."""
-    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        value = getattr(type(model), attr, None)
-        if isinstance(value, property):
-            return bool(getattr(model, attr))
-    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
-
-
 def checkpointing_owner(model: nn.Module) -> str:
     """Who checkpoints ``model`` now: ``"memfit"``, ``"huggingface"`` or ``"none"``.
 
@@ -190,8 +184,26 @@ def checkpointing_owner(model: nn.Module) -> str:
         >>> checkpointing_owner(nn.Linear(2, 2))
         'none'
     """
-    from memfit.checkpointing import checkpointed_blocks
-
     if hf_checkpointing_active(model):
         return "huggingface"
     return "memfit" if checkpointed_blocks(model) else "none"
+
+
+def prepare(
+    model: nn.Module,
+    args: Any,
+    train_dataset: Any,
+    budget: int | str,
+    data_collator: Any | None = None,
+    precision: str = "auto",
+) -> Any:
+    """Plan ``model`` for the Hugging Face ``Trainer``; returns the ``TrainingArguments`` to use.
+
+    Profiles one real batch, plans to ``budget``, checkpoints the model's blocks as planned
+    (turning ``use_cache`` off) and returns ``args`` with ``bf16``/``fp16``,
+    ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the plan (the
+    effective batch unchanged); see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
+    """
+    from memfit.integrations.hf_trainer import prepare_trainer
+
+    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision)

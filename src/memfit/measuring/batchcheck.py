@@ -24,7 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from memfit.errors import ConfigError, MemfitError
+from memfit.errors import ConfigError, MemfitError, is_out_of_memory
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, StepResult, training_step
 
@@ -81,6 +81,8 @@ def batch_errors(model: nn.Module, batch: Batch) -> Iterator[None]:
     except MemfitError:
         raise
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
+        if is_out_of_memory(exc):
+            raise  # NOTE: running out of memory is not the batch's fault; callers re-plan or say so
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             f"one training step of {type(model).__name__} on the batch ({describe_batch(batch)}) "

@@ -40,13 +40,13 @@ from torch.utils._pytree import tree_map_only
 from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
+from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.phases import (
     StepMemory,
     optimizer_state_bytes,
     phased_step,
 )
-from memfit.measuring.profile import profile_from_memory
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
 from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile

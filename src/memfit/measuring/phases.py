@@ -25,10 +25,12 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.measuring.flops import counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,
     BlockMemory,
@@ -78,6 +80,20 @@ class StepMemory:
     outside_before_kept: int = 0
     """Bytes alive when the forward ends that were not created by a block nor by the outside
     after the last block (embedding outputs, the input batch)."""
+    outside_forward_before_peak: int = 0
+    """Highest (total - start) in the forward before the first block (stem, embeddings)."""
+    outside_backward_before_peak: int = 0
+    """Highest (total - start - blocks' gradients) after every block's backward (stem's backward)."""
+    ops: dict[str, int] = field(default_factory=dict)
+    """Per block (and outside key): aten ops its forward dispatched."""
+    allocated: dict[str, int] = field(default_factory=dict)
+    """Per block (and outside key): bytes of the storages its forward created."""
+    output_bytes: dict[str, int] = field(default_factory=dict)
+    """Per block: bytes of its output still alive when the forward ends."""
+    forward_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
+    """FlopCounterMode's counts when the forward ended (empty unless asked for)."""
+    total_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
+    """FlopCounterMode's counts when the step ended (empty unless asked for)."""
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -106,6 +122,7 @@ def phased_step(
     precision: Precision,
     blocks: list[str],
     step_optimizer: bool = True,
+    count_flops: bool = False,
 ) -> StepMemory:
     """Run one training step under MemTracker and return where it held memory.
 
@@ -117,10 +134,28 @@ def phased_step(
         blocks: qualified names of the blocks to report on, in forward order.
         step_optimizer: False skips the optimizer step (its state is still counted), for
             callers that already know the optimizer phase from an identical step.
+        count_flops: also count FLOPs with FlopCounterMode, in a step of their own before
+            the tracked one.
 
     Returns:
         A :class:`StepMemory`.
     """
+    flops: dict[str, dict[str, dict[Any, int]]] = {}
+    if count_flops:
+        # NOTE: FlopCounterMode does not only observe: it decomposes the ops it has no formula
+        # for (MoE routing, some activations), which changes what the step allocates (+15% on a
+        # small Mixtral). So the FLOPs come from a step of their own, not the tracked one.
+        counter = flop_counter()
+        with counter:
+            training_step(
+                model,
+                batch,
+                loss_fn,
+                None,
+                precision,
+                after_forward=lambda: flops.update(forward=counts(counter)),
+            )
+        flops["total"] = counts(counter)
     device = device_of(model)
     modules = {id(model.get_submodule(b)): b for b in blocks}
     grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
@@ -166,6 +201,13 @@ def phased_step(
         blocks=block_mem,
         outside_forward_peak=max(0, tracker.outside_peak["forward"]),
         outside_backward_peak=max(0, tracker.outside_peak["backward"]),
+        outside_forward_before_peak=max(0, tracker.outside_peak["forward_before"]),
+        outside_backward_before_peak=max(0, tracker.outside_peak["backward_before"]),
+        ops=dict(tracker.ops),
+        allocated=dict(tracker.allocated),
+        output_bytes=dict(tracker.output_bytes),
+        forward_flops=flops.get("forward", {}),
+        total_flops=flops.get("total", {}),
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
         saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
         outside_before_kept=marks.get("forward_end", start)

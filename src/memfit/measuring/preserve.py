@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-__all__ = ["preserved"]
+__all__ = ["create_optimizer_state", "preserved"]
 
 
 @contextlib.contextmanager
@@ -42,3 +42,17 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
         model.train(training)
+
+
+def create_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Create the optimizer's state with one step on zero gradients (no forward needed).
+
+    It changes the weights and the state: call it inside :func:`preserved`.
+    """
+    if optimizer is None or optimizer.state:
+        return
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)

@@ -1,14 +1,22 @@
-"""Per-block profile of one training step: memory, time and FLOPs under each checkpointing mode.
+"""Per-block profile of one training step: memory, FLOPs and time under each checkpointing mode.
 
 The planner needs to know, for every block, what checkpointing it saves and what it costs.
-:func:`profile` runs one tracked step per mode (every block in that mode), reads the
-per-block memory from MemTracker (:mod:`memfit.measuring.phases`), times the whole forward and
-backward in each mode (interleaved medians) and splits the time over the blocks by their
-share of the forward FLOPs, which it counts with ``FlopCounterMode``.
+:class:`Profiler` measures that piece by piece, cheapest first, so a caller (the planner)
+can stop where the rest cannot change its answer:
 
-Trade-off: profiling runs about ``3 * (2 + repeats)`` steps plus a :func:`memfit.measure`,
-so it costs seconds on small models; the result is a plain record that can be saved and
-planned over without running the model again.
+1. the optimizer's state, created by one step on zero gradients (no forward needed):
+   parameters + gradients + optimizer state are then known;
+2. one tracked step with no checkpointing: the measured peak, every block's memory, its
+   FLOPs (FlopCounterMode), bytes written and ops dispatched, and which blocks form a
+   plain chain (where segments may go);
+3. one tracked step per checkpointing mode, in which identical blocks run once
+   (:mod:`memfit.measuring.repeated_blocks`): the others pass their input through;
+4. a few timed steps and micro-benchmarks (:mod:`memfit.measuring.speed`) for the time
+   model (:mod:`memfit.stepmodel.time`).
+
+Trade-off: per-block times are modelled from counted work scaled to the timed steps, not
+timed block by block: hook timings on a CPU are dominated by hook overhead, and timings
+of a shared machine differ run to run; counts do not.
 
 Example:
     >>> import torch
@@ -27,165 +35,262 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections import defaultdict
+from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
-from memfit.measuring.batchcheck import checked_step, tensor_bytes
-from memfit.measuring.memory import measure
+from memfit.measuring.assemble import profile_from_memory
+from memfit.measuring.batchcheck import batch_errors, tensor_bytes
+from memfit.measuring.flops import BlockFlops, block_flops
+from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
-from memfit.measuring.preserve import preserved
+from memfit.measuring.preserve import create_optimizer_state, preserved
+from memfit.measuring.repeated_blocks import skipping, stand_ins
+from memfit.measuring.speed import measure_speed
 from memfit.measuring.tracker import device_of
 from memfit.precision import Precision, as_precision
-from memfit.records import BlockStats, Profile
+from memfit.records import Profile, Speed
+from memfit.segments import chain_probe
 from memfit.step import Batch, LossFn, batch_size, training_step
+from memfit.stepmodel import fill_times, forward_work, selective_work, simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["profile", "profile_from_memory"]
+__all__ = ["Profiler", "create_optimizer_state", "profile", "profile_from_memory"]
 
 
-def _param_bytes(module: nn.Module) -> int:
-    tensors = list(module.parameters()) + list(module.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors)
+class Profiler:
+    """One model's step measured piece by piece (call inside ``preserved(model, optimizer)``).
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _mode_times(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    precision: Precision,
-    blocks: list[str],
-    modes: tuple[str, ...],
-    repeats: int,
-) -> dict[str, tuple[float, float]]:
-    """Median (forward, backward) seconds of the whole model with every block in each mode.
-
-    Modes run interleaved (none, selective, full, none, ...) after one warm-up round, so
-    drift of a shared machine hits them alike.
+    Attributes after each call are plain numbers; :meth:`result` assembles the
+    :class:`memfit.Profile` from whatever was measured (modes not measured are absent).
     """
-    device = device_of(model)
-    fw: dict[str, list[float]] = defaultdict(list)
-    bw: dict[str, list[float]] = defaultdict(list)
-    marks: dict[str, float] = {}
 
-    def _mark(name: str) -> None:
-        _sync(device)
-        marks[name] = time.perf_counter()
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        precision: Precision,
+    ) -> None:
+        self.model, self.batch, self.loss_fn, self.optimizer, self.precision = (
+            model,
+            batch,
+            loss_fn,
+            optimizer,
+            precision,
+        )
+        self.blocks = find_blocks(model)
+        self.memory: dict[str, StepMemory] = {}
+        self.copied: dict[str, dict[str, set[str]]] = {}  # per mode and block: what in-place writes copied
+        self.stand_in: dict[str, str] = {}
+        self.links: list[bool] = []
+        self.flops: dict[str, BlockFlops] = {}
+        self.times: list[tuple[float, float, float]] = []
+        self.selective_extra: list[float] = []
+        self.speed: Speed | None = None
+        self.measured: list[str] = []
+        """What was run, one line each (for the plan's report)."""
 
-    for round_ in range(repeats + 1):
-        for mode in modes:
-            if blocks:
-                set_block_modes(model, {b: mode for b in blocks})
-            _mark("start")
-            training_step(
-                model,
-                batch,
-                loss_fn,
-                None,
-                precision,
-                after_forward=lambda: _mark("forward"),
-                after_backward=lambda: _mark("backward"),
+    def none(self) -> StepMemory:
+        """One tracked step without checkpointing: memory, FLOPs, chain links (the batch is checked)."""
+        create_optimizer_state(self.model, self.optimizer)
+        uncheckpoint(self.model)
+        self.model.train()
+        started = time.perf_counter()
+        with batch_errors(self.model, self.batch), chain_probe(self.model, self.blocks) as probe:
+            mem = phased_step(
+                self.model,
+                self.batch,
+                self.loss_fn,
+                self.optimizer,
+                self.precision,
+                self.blocks,
+                count_flops=True,
             )
-            if round_:
-                fw[mode].append(marks["forward"] - marks["start"])
-                bw[mode].append(marks["backward"] - marks["forward"])
-    return {m: (statistics.median(fw[m]), statistics.median(bw[m])) for m in modes}
+        self.memory["none"] = mem
+        self.links = probe.links
+        # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
+        self.stand_in = stand_ins(self.model, self.blocks, probe.keeps_shape) if self.blocks else {}
+        self.flops = block_flops(mem.forward_flops, mem.total_flops, type(self.model).__name__, self.blocks)
+        self.measured.append(
+            f"1 tracked step at {self.precision.mode} without checkpointing, all {len(self.blocks)} blocks, "
+            f"FLOPs counted ({time.perf_counter() - started:.2f} s)"
+        )
+        return mem
 
+    def quick_peak(self) -> int | None:
+        """The no-checkpointing peak from a step that runs only the distinct blocks (an estimate).
 
-def _shares(prof: Profile, fw_flops: dict[str, int], root: str) -> tuple[list[float], float]:
-    """Each block's and the outside part's share of the forward work.
+        Worth it where most blocks are identical (two thirds or more would pass through);
+        None otherwise, or when a block that ran is not residual after all. The estimate
+        lets a hopeless fraction budget be refused before a whole tracked step.
+        """
+        if not self.blocks:
+            return None
+        skipped = stand_ins(self.model, self.blocks, [True] * len(self.blocks))
+        if 3 * len(skipped) < 2 * len(self.blocks):
+            return None
+        create_optimizer_state(self.model, self.optimizer)
+        uncheckpoint(self.model)
+        active = [b for b in self.blocks if b not in skipped]
+        started = time.perf_counter()
+        with (
+            skipping(self.model, list(skipped)),
+            batch_errors(self.model, self.batch),
+            chain_probe(self.model, active) as probe,
+        ):
+            mem = phased_step(self.model, self.batch, self.loss_fn, self.optimizer, self.precision, active)
+        self.measured.append(
+            f"1 tracked step at {self.precision.mode} of {len(active)} of {len(self.blocks)} blocks, to "
+            f"estimate the peak ({time.perf_counter() - started:.2f} s)"
+        )
+        if not all(probe.keeps_shape):
+            return None
+        prof = profile_from_memory(
+            self.model, self.blocks, {"none": mem}, self.precision.mode, batch_size(self.batch), skipped
+        )
+        prof.grad_bytes = grad_bytes_of(self.model)
+        return simulate(prof, "none").peak_bytes
 
-    FLOPs where FlopCounterMode counts any (matmuls, convolutions); parameter bytes where it
-    counts none (e.g. a model of elementwise ops only).
-    """
-    weights = [float(fw_flops.get(f"{root}.{b.name}", 0)) for b in prof.blocks]
-    outside = float(max(0, fw_flops.get("Global", 0) - sum(weights)))
-    if sum(weights) + outside <= 0:
-        weights = [float(b.param_bytes) for b in prof.blocks]
-        outside = float(prof.outside.param_bytes)
-    total = sum(weights) + outside or 1.0
-    return [w / total for w in weights], outside / total
+    def modes(self, modes: Sequence[str]) -> None:
+        """One tracked step per mode, identical blocks run once (the others pass through)."""
+        active = [b for b in self.blocks if b not in self.stand_in]
+        started = time.perf_counter()
+        with skipping(self.model, list(self.stand_in)):
+            for mode in modes:
+                set_block_modes(self.model, {b: mode for b in active})
+                with watch_copies(self.model, active, self.copied.setdefault(mode, {})):
+                    self.memory[mode] = phased_step(
+                        self.model,
+                        self.batch,
+                        self.loss_fn,
+                        self.optimizer,
+                        self.precision,
+                        active,
+                        step_optimizer=False,
+                    )
+        uncheckpoint(self.model)
+        if modes:
+            self.measured.append(
+                f"{len(modes)} tracked step(s) at {self.precision.mode} ({', '.join(modes)}), "
+                f"{len(active)} of {len(self.blocks)} blocks run ({time.perf_counter() - started:.2f} s)"
+            )
 
+    def _timed(self, mode: str) -> tuple[float, float, float]:
+        """(forward, backward, whole) seconds of one step with every block in ``mode``."""
+        device = device_of(self.model)
+        marks: dict[str, float] = {}
 
-def _flops(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision, grad: bool
-) -> dict[str, int]:
-    """FLOPs per module name (ModuleTracker names: ``<RootClass>.<qualified name>``)."""
-    counter = FlopCounterMode(display=False)
-    with counter:
-        if grad:
-            training_step(model, batch, loss_fn, None, precision)
-        else:
-            with torch.no_grad(), precision.autocast():
-                loss_fn(model, batch)
-    return {k: int(sum(v.values())) for k, v in counter.get_flop_counts().items()}
+        def mark(name: str) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            marks[name] = time.perf_counter()
 
+        uncheckpoint(self.model)
+        if mode != "none":
+            set_block_modes(self.model, dict.fromkeys(self.blocks, mode))
+        mark("start")
+        training_step(
+            self.model,
+            self.batch,
+            self.loss_fn,
+            self.optimizer,
+            self.precision,
+            after_forward=lambda: mark("forward"),
+            after_backward=lambda: mark("backward"),
+        )
+        mark("end")
+        uncheckpoint(self.model)
+        return (
+            marks["forward"] - marks["start"],
+            marks["backward"] - marks["forward"],
+            marks["end"] - marks["start"],
+        )
 
-def profile_from_memory(
-    model: nn.Module,
-    blocks: list[str],
-    memory: dict[str, StepMemory],
-    precision: str,
-    batch_size: int,
-) -> Profile:
-    """Turn one :class:`StepMemory` per mode into a :class:`Profile` (memory fields only).
+    def time(self, repeats: int) -> None:
+        """Time ``repeats`` whole steps without checkpointing, and micro-benchmark the device."""
+        started = time.perf_counter()
+        self.times += [self._timed("none") for _ in range(repeats)]
+        self.speed = measure_speed(device_of(self.model), self.precision)
+        self.measured.append(
+            f"{repeats} timed step(s) at {self.precision.mode} and micro-benchmarks "
+            f"({time.perf_counter() - started:.2f} s)"
+        )
 
-    Shared by :func:`profile` (real tensors) and :func:`memfit.estimate` (fake tensors).
-    """
-    modes = list(memory)
-    base = memory["none"] if "none" in memory else memory[modes[0]]
-    stats: list[BlockStats] = []
-    for i, name in enumerate(blocks):
-        module = model.get_submodule(name)
-        st = BlockStats(name=name, param_bytes=_param_bytes(module), grad_bytes=grad_bytes_of(module))
-        for mode in modes:
-            mem = memory[mode]
-            b = mem.blocks[i]
-            kept = mem.start + mem.outside_before_kept + sum(mem.saved[n] for n in blocks[: i + 1])
-            st.saved_bytes[mode] = mem.saved[name]
-            st.held_bytes[mode] = b.forward_end - b.forward_start
-            st.forward_peak_bytes[mode] = b.forward_peak - b.forward_start
-            st.backward_peak_bytes[mode] = b.backward_peak - b.backward_grads - kept
-        stats.append(st)
-    block_params = sum(s.param_bytes for s in stats)
-    outside = BlockStats(
-        name="outside",
-        param_bytes=base.start_parts["params"] - block_params,
-        grad_bytes=_grads_total(base) - sum(s.grad_bytes for s in stats),
-    )
-    for mode in modes:
-        mem = memory[mode]
-        outside.saved_bytes[mode] = mem.forward_end - mem.start - sum(s.saved_bytes[mode] for s in stats)
-        outside.forward_peak_bytes[mode] = mem.outside_forward_peak
-        outside.backward_peak_bytes[mode] = mem.outside_backward_peak
-    first = base.blocks[0].forward_start - base.start if blocks else 0
-    return Profile(
-        precision=precision,
-        device=str(device_of(model)),
-        batch_size=batch_size,
-        blocks=stats,
-        outside=outside,
-        param_bytes=base.start_parts["params"],
-        grad_bytes=_grads_total(base),
-        optimizer_bytes=base.start_parts["optimizer"],
-        optimizer_temp_bytes=max(0, base.phase_peaks.get("optimizer", 0) - base.backward_end),
-        outside_before_bytes=first,
-        outside_before_kept_bytes=base.outside_before_kept,
-        early_grad_bytes=base.early_grads,
-        activation_bytes=base.forward_end - base.start,
-    )
+    def time_selective(self, rounds: int) -> None:
+        """Time ``rounds`` pairs of whole steps, every block selectively checkpointed then none:
+        selective checkpointing's cost on this model (the pairs' median difference).
 
+        # NOTE: the step model prices a selective recompute by the bytes its ops write, and a
+        # micro-benchmark of tiny ops prices the dispatch; on a CPU a real block pays several
+        # times that (GELU's arithmetic, the cached outputs handed back). Adjacent steps share
+        # a busy machine's load, so their difference is steadier than either time.
+        """
+        if not self.blocks:
+            return
+        started = time.perf_counter()
+        for _ in range(rounds):
+            sel, plain = self._timed("selective"), self._timed("none")
+            self.selective_extra.append((sel[0] + sel[1]) - (plain[0] + plain[1]))
+            self.times.append(plain)
+        self.measured.append(
+            f"{rounds} pair(s) of timed steps at {self.precision.mode}, selective and without checkpointing "
+            f"({time.perf_counter() - started:.2f} s)"
+        )
 
-def _grads_total(mem: StepMemory) -> int:
-    return int(mem.phase_breakdowns.get("optimizer", {}).get("grads", 0))
+    def result(self) -> Profile:
+        """The :class:`memfit.Profile` of what was measured."""
+        prof = profile_from_memory(
+            self.model, self.blocks, self.memory, self.precision.mode, batch_size(self.batch), self.stand_in
+        )
+        prof.chain_links = list(self.links)
+        for st in [*prof.blocks, prof.outside]:
+            f = self.flops.get(st.name, BlockFlops())
+            st.forward_flops, st.selective_flops = f.forward, f.selective_recompute
+            st.backward_flops = {
+                m: f.backward + {"none": 0, "selective": f.selective_recompute, "full": f.forward}.get(m, 0)
+                for m in st.saved_bytes
+            }
+        prof.optimizer = type(self.optimizer).__name__ if self.optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = optimizer_state_bytes(self.optimizer)
+        prof.input_bytes = tensor_bytes(self.batch)
+        prof.measured_peak_bytes = self.memory["none"].peak
+        if self.times:
+            fwd, bwd, step = (statistics.median(t[k] for t in self.times) for k in range(3))
+            prof.step_seconds = step
+        if self.speed is not None and self.times:
+            sp = Speed(**{**self.speed.to_dict(), "timed_steps": len(self.times)})
+            prof.speed = sp
+            work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
+            sp.forward_scale, sp.backward_scale = fwd / work, bwd / work
+            if self.selective_extra:
+                self._fit_selective(prof, sp)
+            fill_times(prof)
+        prof.notes = ([time_note(prof)] if prof.speed is not None else []) + list(self.notes())
+        prof.notes += inplace_notes(self.copied, self.stand_in, self.blocks)
+        return prof
+
+    def _fit_selective(self, prof: Profile, sp: Speed) -> None:
+        """Selective's cost per op beyond what the model counts, from the timed pairs."""
+        extra = statistics.median(self.selective_extra)
+        modelled = sum(
+            sp.forward_scale * selective_work(prof, b) + sp.checkpoint_seconds for b in prof.blocks
+        )
+        ops = 2 * sum(b.forward_ops for b in prof.blocks)
+        if ops:
+            sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - modelled) / ops)
+            sp.selective_steps = len(self.selective_extra)
+
+    def notes(self) -> list[str]:
+        if self.blocks:
+            return []
+        return [
+            f"{type(self.model).__name__} has no repeated blocks (find_blocks found none); it is profiled "
+            "as one part, 'outside', and checkpointing cannot be planned for it."
+        ]
 
 
 def profile(
@@ -198,10 +303,10 @@ def profile(
 ) -> Profile:
     """Profile each block's memory, time and FLOPs under none, selective and full checkpointing.
 
-    Every number for mode ``m`` comes from a step with every block in mode ``m``; the
-    model's own checkpointing, weights, gradients, optimizer state and RNG are restored
-    afterwards. A model without repeated blocks is profiled as one part (``outside``),
-    with a warning.
+    Every memory number for mode ``m`` comes from a step with every block in mode ``m``
+    (identical blocks measured once); the model's own checkpointing, weights, gradients,
+    optimizer state and RNG are restored afterwards. A model without repeated blocks is
+    profiled as one part (``outside``), with a warning.
 
     Args:
         model: the model, on its device.
@@ -209,7 +314,7 @@ def profile(
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
         optimizer: its state and step are part of the step (None: forward and backward only).
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"auto"`` or a Precision.
-        repeats: timed steps per mode; medians are reported.
+        repeats: whole steps timed for the time model; medians are reported.
 
     Returns:
         A :class:`memfit.Profile` (see its docstring for what each number means).
@@ -219,81 +324,24 @@ def profile(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    device = device_of(model)
-    prec = as_precision(precision, device=device)
-    blocks = find_blocks(model)
-    notes: list[str] = []
-    if not blocks:
-        msg = (
-            f"{type(model).__name__} has no repeated blocks (find_blocks found none); it is "
-            "profiled as one part, 'outside', and checkpointing cannot be planned for it."
-        )
-        warnings.warn(msg, stacklevel=2)
-        notes.append(msg)
+    prec = as_precision(precision, device=device_of(model))
     original = checkpointed_blocks(model)
     scaler_state = prec.scaler.state_dict()
-    memory: dict[str, StepMemory] = {}
-    totals: dict[str, dict[str, int]] = {}
-    modes = CHECKPOINT_MODES if blocks else ("none",)
     try:
         with preserved(model, optimizer):
-            model.train()
-            uncheckpoint(model)
-            checked_step(model, batch, loss_fn, optimizer, prec)
-            by_dtype = optimizer_state_bytes(optimizer)
-            fw_flops = _flops(model, batch, loss_fn, prec, grad=False)
-            for mode in modes:
-                if blocks:
-                    set_block_modes(model, {b: mode for b in blocks})
-                memory[mode] = phased_step(model, batch, loss_fn, optimizer, prec, blocks)
-                totals[mode] = _flops(model, batch, loss_fn, prec, grad=True)
-            times = _mode_times(model, batch, loss_fn, prec, blocks, modes, repeats)
-            uncheckpoint(model)
-            base = measure(model, batch, loss_fn, optimizer, prec, steps=repeats)
+            prof = Profiler(model, batch, loss_fn, optimizer, prec)
+            for note in prof.notes():
+                warnings.warn(note, stacklevel=2)
+            prof.none()
+            if prof.blocks:
+                prof.modes([m for m in CHECKPOINT_MODES if m != "none"])
+            prof.time(repeats)
+            prof.time_selective(repeats)
+            result = prof.result()
     finally:
         uncheckpoint(model)
         if original:
             set_block_modes(model, original)
         if scaler_state:
             prec.scaler.load_state_dict(scaler_state)
-    prof = profile_from_memory(model, blocks, memory, prec.mode, batch_size(batch))
-    root = type(model).__name__
-    # NOTE: per-block hooks time a block badly on a CPU (hook and dispatch overhead is as large
-    # as a small block, and recompute runs inside another block's backward). The whole step
-    # is timed instead, per mode, and split over the blocks by their share of the forward
-    # FLOPs: a block's cost in mode m is its share of (forward + backward with all blocks in
-    # m), less the outside part's share, which does not depend on the blocks' mode.
-    shares, out_share = _shares(prof, fw_flops, root)
-    fw_none, bw_none = times["none"]
-    out = prof.outside
-    out.forward_seconds = fw_none * out_share
-    block_share = (1.0 - out_share) or 1.0
-    fw_blocks = 0
-    for st, share in zip(prof.blocks, shares, strict=True):
-        key = f"{root}.{st.name}"
-        st.forward_flops = fw_flops.get(key, 0)
-        fw_blocks += st.forward_flops
-        st.forward_seconds = fw_none * share
-        for mode in modes:
-            st.backward_flops[mode] = totals[mode].get(key, 0) - st.forward_flops
-            fw_m, bw_m = times[mode]
-            blocks_time = fw_m + bw_m - fw_none * out_share - bw_none * out_share
-            st.backward_seconds[mode] = max(0.0, blocks_time * share / block_share - st.forward_seconds)
-    out.forward_flops = fw_flops.get("Global", 0) - fw_blocks
-    for mode in modes:
-        blocks_total = sum(totals[mode].get(f"{root}.{st.name}", 0) for st in prof.blocks)
-        out.backward_flops[mode] = totals[mode].get("Global", 0) - blocks_total - out.forward_flops
-        out.backward_seconds[mode] = bw_none * out_share
-    prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
-    prof.optimizer_bytes_by_dtype = by_dtype
-    prof.input_bytes = tensor_bytes(batch)
-    prof.measured_peak_bytes = base.peak_bytes
-    prof.step_seconds = base.step_seconds
-    prof.notes = notes + _flop_notes(device)
-    return prof
-
-
-def _flop_notes(device: torch.device) -> list[str]:
-    if device.type == "cpu":
-        return ["FlopCounterMode has no formula for the CPU attention kernel; its FLOPs count as 0."]
-    return []
+    return result

@@ -1,25 +1,27 @@
-"""Estimate a model whose blocks are identical by running two of them.
+"""Measure each distinct block once: identical blocks stand in for each other.
 
-A 32-layer model under fake tensors costs a second per block and precision and mode; its
-blocks are the same module with the same shapes, so their numbers are the same. Here the
-other blocks pass their input through (an instance-level forward layer, removed after), two
-blocks run, and :func:`memfit.stepmodel.simulate` adds the numbers up for all of
-them. The tests compare the result with measured peaks.
+A transformer's layers are one module class with the same shapes, so their numbers are
+the same: a 32-layer model need not run 32 blocks in every mode. Within each run of three
+or more consecutive identical residual blocks (same class, parameter shapes, output shaped
+like the input), the blocks between the run's first and last pass their input through
+(an instance-level forward layer, removed after); the first block stands for them (its
+output feeds a block of the same kind, as theirs does) and the last for itself (its
+output feeds what follows the run). :func:`memfit.stepmodel.simulate` adds the numbers up
+for every block; the tests compare the result with measured peaks.
 
-Trade-off: only for residual blocks (output shaped like the first input) of one class with
-identical parameter shapes; anything else takes the direct path (every block runs).
+Trade-off: only blocks proven identical and residual are skipped; anything else runs.
 
 Example:
     >>> from torch import nn
-    >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4))
-    >>> identical(model, ["0", "1", "2"])
-    True
+    >>> model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    >>> stand_ins(model, ["0", "1", "2", "3"], [True] * 4)
+    {'1': '0', '2': '0'}
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -27,37 +29,64 @@ from torch import nn
 
 from memfit.checkpointing import set_block_modes
 from memfit.forward_layers import set_forward_layer
+from memfit.measuring.assemble import param_bytes, profile_from_memory
 from memfit.measuring.phases import grad_bytes_of, phased_step
-from memfit.measuring.profile import profile_from_memory
 from memfit.measuring.tracker import PhaseTracker
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import Batch, LossFn, batch_size
 
-__all__ = ["fast_profiles", "identical", "optimizer_temp", "outputs_keep_shape"]
+__all__ = ["fast_profiles", "identical", "optimizer_temp", "outputs_keep_shape", "skipping", "stand_ins"]
 
 _SKIP = "estimate-skip"
 
 
+def _signature(model: nn.Module, name: str) -> tuple[Any, ...]:
+    m = model.get_submodule(name)
+    tensors = [*m.named_parameters(), *m.named_buffers()]
+    return (type(m), tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in tensors))
+
+
 def identical(model: nn.Module, blocks: list[str]) -> bool:
     """True when every block has the same class and the same parameter and buffer shapes."""
+    first = _signature(model, blocks[0])
+    return all(_signature(model, b) == first for b in blocks[1:])
 
-    def signature(name: str) -> tuple[Any, ...]:
-        m = model.get_submodule(name)
-        tensors = [*m.named_parameters(), *m.named_buffers()]
-        return (type(m), tuple((k, tuple(t.shape), t.dtype, t.requires_grad) for k, t in tensors))
 
-    first = signature(blocks[0])
-    return all(signature(b) == first for b in blocks[1:])
+def stand_ins(model: nn.Module, blocks: Sequence[str], keeps_shape: Sequence[bool]) -> dict[str, str]:
+    """Blocks that need not run, each mapped to the block whose numbers it takes.
+
+    Args:
+        model: the model; blocks: its blocks in forward order.
+        keeps_shape: per block, whether it returns one tensor shaped like its input.
+    """
+    sigs = [_signature(model, b) for b in blocks]
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(blocks):
+        j = i
+        while j + 1 < len(blocks) and sigs[j + 1] == sigs[i]:
+            j += 1
+        if j - i >= 2 and all(keeps_shape[k] for k in range(i, j + 1)):
+            out.update({blocks[k]: blocks[i] for k in range(i + 1, j)})
+        i = j + 1
+    return out
 
 
 def _pass_through(inner: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return args[0]
 
 
-def _set_skipped(model: nn.Module, blocks: list[str], skipped: bool) -> None:
-    for name in blocks:
-        set_forward_layer(model.get_submodule(name), _SKIP, _pass_through if skipped else None)
+@contextlib.contextmanager
+def skipping(model: nn.Module, names: Sequence[str]) -> Iterator[None]:
+    """Inside, the named blocks return their first argument without computing."""
+    for name in names:
+        set_forward_layer(model.get_submodule(name), _SKIP, _pass_through)
+    try:
+        yield
+    finally:
+        for name in names:
+            set_forward_layer(model.get_submodule(name), _SKIP, None)
 
 
 def outputs_keep_shape(model: nn.Module, name: str, batch: Batch, loss_fn: LossFn) -> bool:
@@ -92,20 +121,15 @@ def fast_profiles(
     modes: list[str],
     make_precision: Callable[[str], Precision],
 ) -> dict[str, Profile]:
-    """Profiles of identical blocks from steps that run only the first two of them.
+    """Profiles of identical residual blocks from steps that run only the first and last.
 
-    NOTE: a block's numbers do not depend on how many identical blocks run before and
-    after it (each is taken at its own boundaries, and the tests check the sums against
-    measured peaks), only on whether its output feeds another block or the outside part.
-    So the other blocks pass their input through: the first block stands for every block
-    but the last, the second for the last, and the step costs two blocks instead of all.
     The optimizer step, which does not depend on the blocks, is tracked separately with
     every gradient present.
     """
-    active = blocks[:2]
-    _set_skipped(model, blocks[2:], True)
-    try:
-        profiles = {}
+    skipped = stand_ins(model, blocks, [True] * len(blocks))
+    active = [b for b in blocks if b not in skipped]
+    profiles = {}
+    with skipping(model, list(skipped)):
         for precision in precisions:
             prec = make_precision(precision)
             per_mode = {}
@@ -114,25 +138,15 @@ def fast_profiles(
                 per_mode[mode] = phased_step(
                     model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
                 )
-            short = profile_from_memory(model, active, per_mode, precision, batch_size(batch))
-            # the last block's output feeds the outside part, the others' the next block
-            first, last = short.blocks
-            short.blocks = [dataclasses.replace(first, name=b) for b in blocks[:-1]]
-            short.blocks.append(dataclasses.replace(last, name=blocks[-1]))
-            short.param_bytes = _param_bytes(model)
+            short = profile_from_memory(model, blocks, per_mode, precision, batch_size(batch), skipped)
+            short.param_bytes = param_bytes(model)
             short.grad_bytes = grad_bytes_of(model)
             short.outside.param_bytes = short.param_bytes - sum(b.param_bytes for b in short.blocks)
             profiles[precision] = short
-    finally:
-        _set_skipped(model, blocks[2:], False)
     temp = optimizer_temp(model, optimizer)
     for prof in profiles.values():
         prof.optimizer_temp_bytes = temp
     return profiles
-
-
-def _param_bytes(model: nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 
 
 def optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:

@@ -1,16 +1,14 @@
 """Every use of PyTorch's private memory-tracker internals, in one module.
 
 memfit counts bytes with ``torch.distributed._tools.mem_tracker.MemTracker`` (and
-``FSDPMemTracker`` for FSDP2 models): exact, repeatable counts by category on any device,
-real or fake tensors. Reading phases and per-block numbers out of it needs some of its
-private names (snapshot keys, module states, the storage walk). They are all here, so a
-PyTorch upgrade that moves them breaks one file, and the rest of memfit talks to the
-tracker through :class:`MemoryWatch`, :class:`PhaseTracker`, :func:`breakdown_of` and
-:func:`block_memory`.
+``FSDPMemTracker`` for FSDP2 models): exact counts by category, real or fake tensors.
+Phases and per-block numbers need its private names (snapshot keys, module states, the
+storage walk, its hook handles); they are all here, so a PyTorch upgrade that moves them
+breaks one file. The rest of memfit uses :class:`MemoryWatch`, :class:`PhaseTracker`,
+:func:`breakdown_of` and :func:`block_memory`.
 
 Trade-off: subclassing a private class is brittle across PyTorch releases; the tests of
-measure, profile and estimate exercise every method here on each upgrade, and the pinned
-torch in requirements-dev.txt is the version they were checked against.
+measure, profile and estimate exercise every method here against the pinned torch.
 
 Example:
     >>> import torch
@@ -23,15 +21,16 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
+from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "BlockMemory",
@@ -44,6 +43,7 @@ __all__ = [
     "is_fsdp",
 ]
 
+_NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 #: Owners of storages the forward creates outside every block: before the first, after the last.
 OUTSIDE_BEFORE, OUTSIDE_AFTER = "<outside before>", "<outside after>"
 
@@ -65,10 +65,7 @@ def fsdp_breakdown_of(snapshot: dict[Any, int]) -> dict[str, int]:
     by = {getattr(k, "name", str(k)): v for k, v in snapshot.items()}
     get = by.get
     return {
-        "params": get("SHARDED_PARAM", 0)
-        + get("UNSHARDED_PARAM", 0)
-        + get("BUFFER", 0)
-        + get("ALL_GATHER", 0),
+        "params": sum(get(k, 0) for k in ("SHARDED_PARAM", "UNSHARDED_PARAM", "BUFFER", "ALL_GATHER")),
         "grads": get("SHARDED_GRAD", 0) + get("UNSHARDED_GRAD", 0) + get("REDUCE_SCATTER", 0),
         "optimizer": get("OPT", 0),
         "activations": get("ACT", 0) + get("INP", 0),
@@ -94,24 +91,14 @@ class MemoryWatch:
     """Context that tracks the memory of the training step run inside it.
 
     MemTracker gives the breakdown on every device; on a GPU the CUDA allocator's peak is
-    the total. Tracking only observes: the step computes exactly what it would untracked.
-
-    Example:
-        >>> import torch
-        >>> model = torch.nn.Linear(4, 4)
-        >>> with MemoryWatch(model) as watch:
-        ...     model(torch.randn(2, 4)).sum().backward()
-        >>> watch.peak_bytes == sum(watch.breakdown.values()) > 0
-        True
+    the total. Tracking only observes: the step computes exactly what it would untracked
+    (the module docstring has an example).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model = model
+        self.model, self.device, self.peak_bytes, self._parts = model, device_of(model), 0, breakdown_of
         self._hook: Any = None
-        self.device = device_of(model)
-        self.peak_bytes = 0
         self.breakdown: dict[str, int] = {}
-        self._parts = breakdown_of
         if is_fsdp(model):
             # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
             # shards plus the unsharded parameters and gradients of the block computing.
@@ -120,9 +107,9 @@ class MemoryWatch:
             self._tracker: MemTracker = FSDPMemTracker(model, optimizer)
             self._parts = fsdp_breakdown_of
         else:
-            self._tracker = MemTracker()
-            modules: list[Any] = [model] + ([optimizer] if optimizer is not None else [])
-            self._tracker.track_external(*modules)
+            # PhaseTracker's peak update visits only the running modules: the same numbers, faster
+            self._tracker = PhaseTracker(self.device, {}, {})
+            self._tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
 
     def current(self) -> dict[str, int]:
         """The breakdown of what is held now (call inside the context)."""
@@ -138,10 +125,9 @@ class MemoryWatch:
         return self
 
     def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
-        # NOTE: MemTracker refuses a second forward of the root module in one context (it
-        # takes it for a new iteration). With gradient accumulation that second forward is
-        # the next micro-batch of the same step: clear the per-module statistics (the
-        # peak snapshot is kept) so it is tracked like the first.
+        # NOTE: MemTracker refuses a second forward of the root module in one context (a new
+        # iteration, it thinks); with gradient accumulation it is the next micro-batch of the
+        # same step: clear the per-module statistics (the peak is kept) to track it the same.
         tracker = self._tracker
         if module is self.model and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
             tracker.reset_mod_stats()
@@ -190,7 +176,13 @@ class PhaseTracker(MemTracker):
         self.phase_peak: dict[str, int] = {}
         self.phase_snap: dict[str, dict[Any, int]] = {}
         self.kept = 0
-        self.outside_peak: dict[str, int] = {"forward": 0, "backward": 0}
+        # NOTE: the outside's peaks before the first block (stem) and after it (head, loss) are
+        # apart: the stem runs with no block's activations held (forward) or kept (backward).
+        self.outside_peak = dict.fromkeys(("forward", "backward", "forward_before", "backward_before"), 0)
+        self.ops: dict[str, int] = {}  # per part (block or outside key): aten ops of its forward
+        self.allocated: dict[str, int] = {}  # per part: bytes of the storages its forward created
+        self.output_bytes: dict[str, int] = {}  # per block: its output's bytes alive at the forward's end
+        self._outputs: dict[str, list[weakref.ref[Any]]] = {}  # weak: freed outputs leave _owner
         self._blocks = blocks  # id(module) -> block name
         self._grads = grads  # block name -> grad bytes
         self._block_fqns: set[str] = set()
@@ -202,6 +194,14 @@ class PhaseTracker(MemTracker):
         self._blocks_done = 0
         self._before: weakref.WeakSet[Any] = weakref.WeakSet()
         self.saved_alive: dict[str, int] = {}
+
+    def track_external(self, *external: Any) -> None:
+        super().track_external(*external)
+        # NOTE: MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen
+        # one (Whisper's position embeddings): marked as hooked already, they still count.
+        for m in (m for m in external if isinstance(m, nn.Module)):
+            for p in (p for p in m.parameters() if not p.requires_grad):
+                self._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
 
     def total(self) -> int:
         return int(self._curr_mem_snap.get(self.device, {}).get(_TOTAL_KEY, 0))
@@ -215,7 +215,7 @@ class PhaseTracker(MemTracker):
     def enter_phase(self, phase: str) -> None:
         self.phase = phase
         self.phase_peak[phase] = self.total()
-        self.phase_snap[phase] = copy.deepcopy(self._curr_mem_snap.get(self.device, {}))
+        self.phase_snap[phase] = dict(self._curr_mem_snap.get(self.device, {}))
         if phase == "forward":
             self.kept = self._start = self.total()
             # parameters, buffers, optimizer state: never owned by a part of the forward
@@ -234,31 +234,40 @@ class PhaseTracker(MemTracker):
         name = self._blocks.get(id(module))
         if name is not None and not self._mod_tracker.is_bw and name not in self._saved:
             snaps = self.memory_tracking[module].snapshots
-            saved = _tot(snaps[_ModState.POST_FW][0], self.device) - _tot(
-                snaps[_ModState.PRE_FW][0], self.device
-            )
+            pre, post = snaps[_ModState.PRE_FW][0], snaps[_ModState.POST_FW][0]
+            saved = _tot(post, self.device) - _tot(pre, self.device)
             self._saved[name] = saved
             self.kept += saved
             self._blocks_done += 1
+            self._outputs[name] = [
+                weakref.ref(self._WINFO[st][0]) for st in _storages(outputs) if st in self._WINFO
+            ]
+
+    def _owner_now(self) -> str:
+        active = self._block_fqns & self._mod_tracker.parents
+        if active:
+            return self._fqn_names[max(active, key=len)]
+        return OUTSIDE_AFTER if self._blocks and self._blocks_done >= len(self._blocks) else OUTSIDE_BEFORE
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        res = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.phase == "forward":
+            owner = self._owner_now()
+            self.ops[owner] = self.ops.get(owner, 0) + 1
+        return res
 
     def _track(self, reftype: Any, t: torch.Tensor) -> None:
         super()._track(reftype, t)
         if self.phase != "forward":
             return
-        # NOTE: every storage the forward creates is owned by the block running then, or by
-        # the outside (before / after the last block); what is still alive when the forward
-        # ends is what each part keeps for backward.
-        active = self._block_fqns & self._mod_tracker.parents
-        if active:
-            owner = self._fqn_names[max(active, key=len)]
-        else:
-            owner = (
-                OUTSIDE_AFTER if self._blocks and self._blocks_done >= len(self._blocks) else OUTSIDE_BEFORE
-            )
+        # NOTE: every storage the forward creates is owned by the block running then, or by the
+        # outside (before / after the blocks); what is alive when the forward ends is kept.
+        owner = self._owner_now()
         for st in get_untyped_storages(t):
             winfo = self._WINFO.get(st, (None, None))[0]
             if winfo is not None and winfo not in self._owner and winfo not in self._before:
                 self._owner[winfo] = owner
+                self.allocated[owner] = self.allocated.get(owner, 0) + int(winfo.mem_consumed)
 
     def close_forward(self) -> None:
         """At the end of the forward: what each part keeps; backward bookkeeping starts from it."""
@@ -266,6 +275,10 @@ class PhaseTracker(MemTracker):
         for winfo, owner in list(self._owner.items()):
             alive[owner] = alive.get(owner, 0) + int(winfo.mem_consumed)
         self.saved_alive = alive
+        for name, winfos in self._outputs.items():
+            # the output's storages still tracked at the forward's end (kept by their consumer)
+            live = [w for w in (ref() for ref in winfos) if w is not None and w in self._owner]
+            self.output_bytes[name] = sum(int(w.mem_consumed) for w in live)
         for name in self._saved:
             self._saved[name] = alive.get(name, 0)
         self.kept = self._start + sum(self._saved.values())
@@ -288,18 +301,28 @@ class PhaseTracker(MemTracker):
             for dev, dev_snap in curr.items():
                 if stats.local_peak.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     stats.local_peak[dev] = dev_snap[_TOTAL_KEY]
-                    stats.snapshots[peak_state][-1][dev] = copy.deepcopy(dev_snap)
+                    stats.snapshots[peak_state][-1][dev] = dict(dev_snap)
         for dev, dev_snap in curr.items():
             if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                 self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                self._peak_mem_snap[dev] = copy.deepcopy(dev_snap)
+                self._peak_mem_snap[dev] = dict(dev_snap)
         total = self.total()
         phase = self.phase
         if phase in self.phase_peak and total > self.phase_peak[phase]:
             self.phase_peak[phase] = total
-            self.phase_snap[phase] = copy.deepcopy(curr.get(self.device, {}))
+            self.phase_snap[phase] = dict(curr.get(self.device, {}))
         if phase in self.outside_peak and not (self._block_fqns & parents):
-            self.outside_peak[phase] = max(self.outside_peak[phase], total - self.kept)
+            key = phase
+            if self._blocks and phase == "forward" and self._blocks_done == 0:
+                key = "forward_before"
+            elif self._blocks and phase == "backward" and self._blocks_done and not self._saved:
+                key = "backward_before"  # every block's backward is done: the stem's backward
+            self.outside_peak[key] = max(self.outside_peak[key], total - self.kept)
+
+
+def _storages(value: Any) -> list[Any]:
+    tensors = [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+    return [st for t in tensors for st in get_untyped_storages(t)]
 
 
 def _tot(snapshot: dict[Any, dict[Any, int]], device: torch.device) -> int:

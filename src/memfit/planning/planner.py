@@ -1,15 +1,23 @@
 """``memfit.plan``: choose the cheapest plan that fits a budget (``memfit.apply`` applies it).
 
-``plan`` profiles the model at each allowed precision, asks the exact solver for the
-fastest per-block checkpointing that fits at one micro-batch, then two, four... (the batch
-is split only when even full checkpointing does not fit), keeps the precision with the
-least predicted time, and finally measures the chosen plan once: if the measured peak is
-over the budget (a model whose blocks are not a simple chain, such as a U-Net with skips),
-it plans again under the budget less the excess, so what it returns has been seen to fit.
+``plan`` measures what it needs, cheapest first, and stops where more cannot change the
+answer:
 
-Trade-off: planning costs one profile per precision and one measured step per check, a few
-steps in all, paid once before training; in return the budget holds by measurement, not by
-hope.
+1. parameters + gradients + optimizer state (the optimizer's state made by one step on
+   zero gradients, no forward): a budget below them is refused at once;
+2. one tracked step without checkpointing per precision (the first, fp32, is the baseline
+   a ``"60%"`` budget is a fraction of) and a few timed steps for the time model; a
+   precision that fits without checkpointing needs nothing more;
+3. one tracked step per checkpointing mode, identical blocks measured once, only for
+   precisions that could still win;
+
+then the exact solver picks per-block modes and segments (:mod:`memfit.planning.choose`),
+and the chosen plan is applied and measured once: if its measured peak is over the budget
+(a model whose blocks are not a simple chain, such as a U-Net with skips), it plans again
+under the budget less the excess, so what it returns has been seen to fit.
+
+Trade-off: planning costs a few steps, paid once before training; in return the budget
+holds by measurement, not by hope, and the same model gets the same plan.
 
 Example:
     >>> import torch, memfit
@@ -25,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -33,129 +42,186 @@ from torch import nn
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
-from memfit.devices import device_facts, recommend_precision
-from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
-from memfit.measuring.memory import measure
-from memfit.planning.solver import Solution, minimum_peak, solve
+from memfit.errors import InfeasibleBudget
+from memfit.measuring.inplace import inplace_parts
+from memfit.measuring.memory import MemoryWatch
+from memfit.measuring.preserve import create_optimizer_state, preserved
+from memfit.measuring.profile import Profiler
+from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
+from memfit.precision import Precision
 from memfit.records import Plan, Profile
-from memfit.step import Batch, LossFn
-from memfit.stepmodel import predict_step_seconds, simulate
-from memfit.vocab import PRECISIONS
+from memfit.step import Batch, LossFn, training_step
+from memfit.stepmodel import simulate, time_note
+from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
+#: Whole steps timed per precision for the time model (more come with the selective pairs).
+_TIMED_STEPS = 1
+#: Pairs of timed steps, selective then none, where checkpointing is needed.
+_SELECTIVE_STEPS = 3
 
 
 def _device(model: nn.Module) -> torch.device:
     return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
-def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[str]:
-    """The precisions to choose from: "auto" = fp32 and what the device runs natively."""
-    if isinstance(precision, str):
-        if precision == "auto":
-            best = recommend_precision(device_facts(device))
-            return ["fp32"] if best == "fp32" else ["fp32", best]
-        chosen = [precision]
-    else:
-        chosen = list(precision)
-    bad = [p for p in chosen if p not in PRECISIONS]
-    if bad or not chosen:
-        raise UnsupportedPrecision(
-            f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(PRECISIONS)}, "
-            "or a list of them."
+def _fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters and buffers + gradients of trainable parameters + optimizer state."""
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    state = 0
+    if optimizer is not None:
+        for per in optimizer.state.values():
+            state += sum(v.numel() * v.element_size() for v in per.values() if isinstance(v, torch.Tensor))
+    return params + grads + state
+
+
+class _Planner:
+    """Measures as little as the budget needs (inside ``preserved``), then chooses."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer | None,
+        wanted: list[str],
+        budget: Budget,
+    ) -> None:
+        self.model, self.batch, self.loss_fn, self.optimizer = model, batch, loss_fn, optimizer
+        self.wanted, self.budget = wanted, budget
+        self.measured: list[str] = []
+        self.budget_bytes = 0
+        self.baseline = (0, 0.0)
+        self.complete = False
+        """Measure every mode even where the budget needs none (a later re-plan may need them)."""
+
+    def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
+        fixed = _fixed_bytes(self.model, self.optimizer)
+        if budget_bytes < fixed:
+            name = type(self.optimizer).__name__ if self.optimizer is not None else "none"
+            detail = ""
+            if estimated:
+                budget_bytes = self.budget.resolve(estimated)
+                detail = f" ({self.budget} of the fp32 peak, estimated at {format_bytes(estimated)})"
+            message = fixed_bytes_message(fixed, budget_bytes, name, detail)
+            raise InfeasibleBudget(message, fixed, budget_bytes)
+
+    def profiles(self) -> dict[str, Profile]:
+        create_optimizer_state(self.model, self.optimizer)
+        if not self.budget.is_fraction:
+            self._refuse_fixed(self.budget.resolve(None))
+        device = _device(self.model)
+        profilers = {
+            p: Profiler(self.model, self.batch, self.loss_fn, self.optimizer, Precision(p, device=device))
+            for p in self.wanted
+        }
+        base = profilers.get("fp32") or Profiler(
+            self.model, self.batch, self.loss_fn, self.optimizer, Precision("fp32", device=device)
         )
-    return list(dict.fromkeys(chosen))
+        if self.budget.is_fraction:
+            estimate = base.quick_peak()
+            # NOTE: refused on the estimate only with a 5% margin; otherwise the measured peak decides
+            if estimate is not None:
+                self._refuse_fixed(self.budget.resolve(int(estimate * 1.05)), estimated=estimate)
+        peak = base.none().peak
+        self.budget_bytes = self.budget.resolve(peak)
+        self._refuse_fixed(self.budget_bytes)
+        done: dict[str, Profile] = {}
+        for p, prof in profilers.items():
+            if not prof.memory:
+                prof.none()
+            prof.time(_TIMED_STEPS)
+            done[p] = prof.result()
+        # the fp32 step time is the baseline only when fp32 was timed (it is a candidate)
+        self.baseline = (peak, done["fp32"].step_seconds if "fp32" in done else 0.0)
+        if "fp32" not in profilers:
+            self.measured += base.measured
+        # NOTE: a precision's plans are never faster than its step without checkpointing; once
+        # a plan is known that fast, that precision's checkpointing modes cannot matter.
+        best = None
+        for p in sorted(done, key=lambda q: done[q].step_seconds):
+            if best is not None and best <= done[p].step_seconds * (1 - TIE):
+                continue
+            tight = simulate(done[p], "none").peak_bytes > self.budget_bytes
+            if (tight or self.complete) and profilers[p].blocks:
+                profilers[p].modes([m for m in CHECKPOINT_MODES if m != "none"])
+                profilers[p].time_selective(_SELECTIVE_STEPS)
+                done[p] = profilers[p].result()
+            try:
+                found = plan_from_profiles({p: done[p]}, self.budget_bytes)
+            except InfeasibleBudget:
+                continue
+            best = found.predicted_step_seconds if best is None else min(best, found.predicted_step_seconds)
+        for prof in profilers.values():
+            self.measured += prof.measured
+        return {p: done[p] for p in self.wanted}
 
+    def check(self, profiles: Mapping[str, Profile], result: Plan) -> Plan:
+        """Measure the plan; while it is over budget, re-plan under the budget less the excess.
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, max(1, n) + 1) if n % d == 0] or [1]
-
-
-def _to_plan_modes(profile: Profile, modes: Sequence[str]) -> dict[str, str]:
-    return {b.name: m for b, m in zip(profile.blocks, modes, strict=True)}
-
-
-def _explain(best: tuple[str, int, Solution], profiles: Mapping[str, Profile], budget: int) -> str:
-    precision, micro, sol = best
-    prof = profiles[precision]
-    sim = simulate(prof, sol.modes, micro)
-    opt = prof.optimizer if prof.optimizer not in ("", "none") else "optimizer"
-    fixed = sim.fixed_bytes
-    if fixed >= budget:
-        return (
-            f"parameters + gradients + {opt} state alone take {format_bytes(fixed)}; budget "
-            f"{format_bytes(budget)}: use a smaller model, an optimizer with less state, or more memory."
+        # NOTE: the simulator assumes blocks are additive; where they are not (tensors held
+        # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That
+        # error, measured, becomes a safety margin, so the returned plan was seen to fit.
+        """
+        budget = result.budget_bytes
+        margin = 0
+        segments = True
+        for _ in range(_CHECKS):
+            measured, same_loss = self._measure(result)
+            result.measured_peak_bytes = measured
+            if not same_loss:
+                self.measured.append(
+                    "a segment changed the loss (a block's output is read elsewhere): no segments"
+                )
+                segments = False
+            elif measured <= budget:
+                return result
+            else:
+                margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
+            try:
+                result = plan_from_profiles(profiles, budget - margin, *self.baseline, segments=segments)
+            except InfeasibleBudget as exc:
+                raise InfeasibleBudget(
+                    f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
+                    f"{format_bytes(measured)}, over its prediction, and a tighter plan does not exist "
+                    f"({exc}).",
+                    minimum_bytes=min(measured, exc.minimum_bytes + margin),
+                    budget_bytes=budget,
+                ) from None
+            result.budget_bytes = budget
+        raise InfeasibleBudget(
+            f"no plan was measured under the budget of {format_bytes(budget)} after {_CHECKS} tries; the "
+            f"last measured {format_bytes(result.measured_peak_bytes)}: raise the budget.",
+            minimum_bytes=result.measured_peak_bytes,
+            budget_bytes=budget,
         )
-    return (
-        f"even at {precision} with every block at its smallest mode and {micro} micro-batch(es), the step "
-        f"peaks at {format_bytes(sim.peak_bytes)} during the {sim.peak_event} (parameters + gradients + "
-        f"{opt} state {format_bytes(fixed)}, activations and temporaries "
-        f"{format_bytes(sim.peak_bytes - fixed)}); budget {format_bytes(budget)}: raise the budget or "
-        "shrink the model or sequence."
-    )
 
-
-def plan_from_profiles(
-    profiles: Mapping[str, Profile],
-    budget_bytes: int,
-    baseline_peak_bytes: int = 0,
-    baseline_step_seconds: float = 0.0,
-) -> Plan:
-    """The least-time plan over precisions and micro-batch counts (a pure function).
-
-    Args:
-        profiles: one measured profile per allowed precision.
-        budget_bytes: the peak every event of the step must stay under.
-        baseline_peak_bytes: the fp32, no-checkpointing peak (recorded in the Plan).
-        baseline_step_seconds: its step time (for the predicted time ratio).
-
-    Returns:
-        The :class:`Plan` with its predicted peak and step time.
-
-    Raises:
-        InfeasibleBudget: nothing fits, even at one sample per micro-batch.
-    """
-    if not profiles:
-        raise ConfigError("no profiles to plan from; profile the model at one precision at least.")
-    batch = max(p.batch_size for p in profiles.values())
-    for micro in _divisors(batch):
-        found: list[tuple[float, str, Solution]] = []
-        for precision, prof in profiles.items():
-            sol = solve(prof, budget_bytes, micro)
-            if sol is not None:
-                found.append((predict_step_seconds(prof, sol.modes, micro), precision, sol))
-        if found:
-            seconds, precision, sol = min(found, key=lambda f: f[0])
-            return Plan(
-                blocks=_to_plan_modes(profiles[precision], sol.modes),
-                precision=precision,
-                micro_batches=micro,
-                predicted_peak_bytes=sol.peak_bytes,
-                predicted_step_seconds=seconds,
-                baseline_peak_bytes=baseline_peak_bytes,
-                baseline_step_seconds=baseline_step_seconds,
-                budget_bytes=budget_bytes,
+    def _measure(self, result: Plan) -> tuple[int, bool]:
+        """One tracked step of the applied plan; with segments, also whether the loss is unchanged."""
+        prec = Precision(result.precision, device=_device(self.model))
+        rng = torch.get_rng_state()
+        reference = None
+        if result.segments and result.micro_batches == 1:
+            uncheckpoint(self.model)
+            with torch.no_grad(), prec.autocast():
+                reference = float(self.loss_fn(self.model, self.batch))
+        apply(self.model, result)
+        torch.set_rng_state(rng)
+        started = time.perf_counter()
+        losses: list[float] = []
+        with MemoryWatch(self.model, self.optimizer) as watch:
+            step = training_step(
+                self.model, self.batch, self.loss_fn, self.optimizer, prec, result.micro_batches
             )
-    micro = _divisors(batch)[-1]
-    smallest = min(
-        ((p, micro, minimum_peak(prof, micro)) for p, prof in profiles.items()), key=lambda t: t[2].peak_bytes
-    )
-    raise InfeasibleBudget(
-        f"no plan fits the budget: {_explain(smallest, profiles, budget_bytes)}",
-        minimum_bytes=smallest[2].peak_bytes,
-        budget_bytes=budget_bytes,
-    )
-
-
-def _profile(
-    model: nn.Module, batch: Batch, loss_fn: LossFn, optimizer: torch.optim.Optimizer | None, precision: str
-) -> Profile:
-    from memfit.measuring.profile import profile
-
-    return profile(model, batch, loss_fn, optimizer, precision)
+            losses.append(step.loss)
+        uncheckpoint(self.model)
+        self.measured.append(f"1 tracked step of the chosen plan ({time.perf_counter() - started:.2f} s)")
+        same = reference is None or abs(losses[0] - reference) <= 1e-4 * max(1.0, abs(reference))
+        return watch.peak_bytes, same
 
 
 def plan(
@@ -169,7 +235,8 @@ def plan(
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
 ) -> Plan:
-    """The fastest plan whose step peak fits ``budget``: per-block checkpointing, precision, micro-batches.
+    """The fastest plan whose step peak fits ``budget``: per-block checkpointing and segments,
+    precision, micro-batches.
 
     Args:
         model: the model (its current checkpointing is put back afterwards).
@@ -179,38 +246,49 @@ def plan(
         optimizer: the optimizer training will use (its state and step count).
         precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.
-        profiles: already-measured profiles per precision (skips profiling).
+        profiles: already-measured profiles per precision (skips profiling); a ``dict``
+            passed here also receives the profiles this call measures, so that a later
+            re-plan (after a step runs out of memory) need not profile again.
 
     Returns:
-        A :class:`Plan`; ``memfit.apply(model, plan)`` applies its checkpointing.
+        A :class:`Plan`; ``memfit.apply(model, plan)`` applies it. ``plan.notes`` says what
+        the time model rests on, ``plan.measured`` what planning ran, ``plan.planning_seconds``
+        how long it took.
 
     Raises:
         InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
         ConfigError: the budget cannot be read or is not positive.
     """
+    started = time.perf_counter()
     device = _device(model)
     wanted = candidate_precisions(precision, device)
-    spec = Budget.parse(budget)  # a bad budget is refused before any profiling
+    spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
-        profs = dict(profiles or {})
-        for p in wanted:
-            if p not in profs:
-                profs[p] = _profile(model, batch, loss_fn, optimizer, p)
-        profs = {p: profs[p] for p in wanted}
-        base = profs.get("fp32")
-        if base is not None and base.measured_peak_bytes > 0:
-            baseline_peak, baseline_seconds = base.measured_peak_bytes, base.step_seconds
-        else:
-            report = measure(model, batch, loss_fn, optimizer, "fp32", steps=1)
-            baseline_peak, baseline_seconds = report.peak_bytes, report.step_seconds
-        budget_bytes = spec.resolve(baseline_peak)
-        result = plan_from_profiles(profs, budget_bytes, baseline_peak, baseline_seconds)
-        if check:
-            result = _checked(model, batch, loss_fn, optimizer, profs, result)
-        result.budget_bytes = budget_bytes
-        result.notes = _notes(model, result)
+        with preserved(model, optimizer):
+            planner = _Planner(model, batch, loss_fn, optimizer, wanted, spec)
+            planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
+            if profiles is not None and all(p in profiles for p in wanted):
+                profs = {p: profiles[p] for p in wanted}
+                base = profs.get("fp32", next(iter(profs.values())))
+                planner.baseline = (base.measured_peak_bytes, base.step_seconds)
+                planner.budget_bytes = spec.resolve(base.measured_peak_bytes)
+                create_optimizer_state(model, optimizer)
+                planner.measured.append("planned from the profiles given")
+            else:
+                profs = planner.profiles()
+                if isinstance(profiles, dict):
+                    # NOTE: the caller's cache (a re-plan after running out of memory reuses it);
+                    # only profiles with every mode measured can serve a tighter budget later.
+                    profiles.update({p: pr for p, pr in profs.items() if _complete(pr)})
+            result = plan_from_profiles(profs, planner.budget_bytes, *planner.baseline)
+            if check:
+                result = planner.check(profs, result)
+        result.budget_bytes = planner.budget_bytes
+        result.notes = _notes(model, result, profs)
+        result.measured = planner.measured
+        result.planning_seconds = time.perf_counter() - started
         return result
     finally:
         uncheckpoint(model)
@@ -218,59 +296,26 @@ def plan(
             set_block_modes(model, before)
 
 
-def _notes(model: nn.Module, result: Plan) -> list[str]:
-    notes = []
+def _complete(profile: Profile) -> bool:
+    """Whether every block was measured in every checkpointing mode."""
+    return all(set(CHECKPOINT_MODES) <= set(b.saved_bytes) for b in profile.blocks)
+
+
+def _notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
+    notes = [
+        time_note(profiles[result.precision]),
+        f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
+        "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
+    ]
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if result.micro_batches > 1 and norms:
         notes.append(
             f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
             f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
         )
+    # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
+    for note in profiles[result.precision].notes:
+        blocks, modes = inplace_parts(note)
+        if any(result.blocks.get(b) in modes for b in blocks):
+            notes.append(note)
     return notes
-
-
-def _checked(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
-    profiles: Mapping[str, Profile],
-    result: Plan,
-) -> Plan:
-    """Measure the plan; while it is over budget, re-plan under the budget less the excess.
-
-    # NOTE: the simulator assumes blocks are additive; where they are not (tensors held
-    # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That
-    # error, measured, becomes a safety margin, so the returned plan was seen to fit.
-    """
-    budget = result.budget_bytes
-    margin = 0
-    for _ in range(_CHECKS):
-        apply(model, result)
-        measured = measure(
-            model, batch, loss_fn, optimizer, result.precision, steps=1, micro_batches=result.micro_batches
-        ).peak_bytes
-        result.measured_peak_bytes = measured
-        if measured <= budget:
-            return result
-        # The simulator's error on this plan, or (if that is not enough) a step further.
-        margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
-        try:
-            result = plan_from_profiles(
-                profiles, budget - margin, result.baseline_peak_bytes, result.baseline_step_seconds
-            )
-        except InfeasibleBudget as exc:
-            raise InfeasibleBudget(
-                f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
-                f"{format_bytes(measured)}, over its prediction, and a tighter plan does not exist "
-                f"({exc}).",
-                minimum_bytes=min(measured, exc.minimum_bytes + margin),
-                budget_bytes=budget,
-            ) from None
-        result.budget_bytes = budget
-    raise InfeasibleBudget(
-        f"no plan was measured under the budget of {format_bytes(budget)} after {_CHECKS} tries; the "
-        f"last measured {format_bytes(result.measured_peak_bytes)}: raise the budget.",
-        minimum_bytes=result.measured_peak_bytes,
-        budget_bytes=budget,
-    )

@@ -1,4 +1,4 @@
-"""The per-rank memory of FSDP2 training, as a Profile the simulator and solver already read.
+"""The per-rank memory of FSDP2 (and DDP) training, as a Profile the simulator and solver already read.
 
 A profile is measured on one process, unsharded, at the batch one rank computes. FSDP2
 (``fully_shard`` per block, then the root) changes what each rank holds:
@@ -18,7 +18,11 @@ A profile is measured on one process, unsharded, at the batch one rank computes.
 :func:`memfit.stepmodel.simulate` predicts the per-rank peak and the solver plans
 against a per-rank budget without knowing about FSDP.
 
-Trade-off: the rules are an upper bound (they assume the prefetch and both all-gather
+DDP (:func:`replicate_profile`) keeps the whole model on every rank and copies the
+gradients into buckets for the all-reduce: as many bytes as the gradients, allocated once
+and held for the whole step.
+
+Trade-off: the FSDP2 rules are an upper bound (they assume the prefetch and both all-gather
 buffers overlap at the worst moment); the prediction errs on the safe side by about one
 block's parameters.
 
@@ -41,7 +45,7 @@ import math
 from memfit.errors import ConfigError
 from memfit.records import Profile
 
-__all__ = ["shard_profile"]
+__all__ = ["rank_profile", "replicate_profile", "shard_profile"]
 
 
 def _shard(n: int, world: int) -> int:
@@ -93,5 +97,39 @@ def shard_profile(profile: Profile, world_size: int) -> Profile:
         new.backward_fixed_bytes = block.backward_fixed_bytes + added + g - new.grad_bytes
         new.param_bytes = _shard(p, w)
         previous = p
+    # NOTE: a segment recomputes several FSDP2 units in one backward step, gathering all their
+    # parameters at once; the rules above do not model that, so sharded plans use none.
+    out.chain_links = []
     out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"]
     return out
+
+
+def replicate_profile(profile: Profile) -> Profile:
+    """``profile`` (one process, the per-rank batch) as one rank of DDP: plus its gradient buckets.
+
+    Example:
+        >>> from memfit.records import BlockStats, Profile
+        >>> prof = Profile(precision="fp32", device="cpu", batch_size=2, blocks=[],
+        ...                outside=BlockStats("outside"), param_bytes=500, grad_bytes=500,
+        ...                optimizer_bytes=1000, optimizer_temp_bytes=0)
+        >>> replicate_profile(prof).param_bytes
+        1000
+    """
+    out = copy.deepcopy(profile)
+    # NOTE: DistributedDataParallel's reducer buckets (gradient_as_bucket_view=False, the
+    # default): a copy of every gradient, alive from construction on; held like parameters.
+    out.param_bytes = profile.param_bytes + profile.grad_bytes
+    out.notes = [*profile.notes, "DDP: gradient buckets held all step (memfit.planning.sharding)"]
+    return out
+
+
+def rank_profile(profile: Profile, mode: str, world_size: int) -> Profile:
+    """One rank's profile for ``mode``: ``"ddp"`` (:func:`replicate_profile`), ``"fsdp2"``
+    (:func:`shard_profile`) or ``"none"`` (the profile itself)."""
+    if mode == "ddp":
+        return replicate_profile(profile)
+    if mode == "fsdp2":
+        return shard_profile(profile, world_size)
+    if mode == "none":
+        return copy.deepcopy(profile)
+    raise ConfigError(f"cannot plan for distributed mode {mode!r}; use none, ddp or fsdp2.")

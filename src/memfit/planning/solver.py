@@ -1,14 +1,21 @@
-"""The exact solver: the fastest per-block checkpointing that keeps every event under budget.
+"""The exact solver: the fastest options (per-block modes, segments) that keep every event under budget.
 
-Each block picks one mode (keep / selective / full). The objective is the predicted step
-time (sum of the chosen modes' measured times); each memory event of the simulator is one
-linear constraint, so the integer program below is the planning problem itself, not an
-approximation of it. It is solved by HiGHS through ``scipy.optimize.milp`` with a zero
+Each block is covered by one option: its own mode (none / selective / full) or a segment
+of consecutive blocks checkpointed as one (:mod:`memfit.stepmodel.options`). The objective
+is the predicted step time; each memory event of the step model is one linear
+constraint, so the integer program below is the planning problem itself, not an
+approximation of it. HiGHS solves it through ``scipy.optimize.milp`` with a zero
 optimality gap, and the answer is checked again in exact integer bytes by the simulator.
 
-Trade-off: an integer program proves optimality (a greedy rule does not) at the cost of a
-solver call per (precision, micro-batch count); with a few hundred binaries that is
-milliseconds.
+Ties: the time model resolves differences of a few percent at best, so plans whose
+predicted time is within ``tie_seconds`` of the fastest count as equally fast; among them
+the solver takes the lowest peak, then a fixed order of options (a second and third
+program). The answer then depends on exact numbers (bytes, block order), not on the noise
+in the time model's last digits: the same model gets the same plan.
+
+Trade-off: an integer program proves optimality (a greedy rule does not) at the cost of
+up to three solver calls per (precision, micro-batch count); with a few hundred binaries
+that is milliseconds.
 
 Example:
     >>> from memfit.records import BlockStats, Profile
@@ -18,21 +25,30 @@ Example:
     >>> prof = Profile(precision="fp32", device="cpu", batch_size=1, blocks=blocks,
     ...                outside=BlockStats("outside"), param_bytes=0, grad_bytes=0,
     ...                optimizer_bytes=0, optimizer_temp_bytes=0)
-    >>> sorted(solve(prof, budget_bytes=300).modes)  # one block recomputes, two keep
+    >>> solve(prof, budget_bytes=300).modes  # one block recomputes: the first (the lowest peak)
     ['full', 'none', 'none']
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from memfit.records import Profile
-from memfit.stepmodel import block_options, block_seconds, events, simulate
+from memfit.records import BlockStats, Profile
+from memfit.stepmodel import (
+    Event,
+    Option,
+    all_options,
+    block_options,
+    block_seconds,
+    events,
+    option_seconds,
+    simulate_options,
+)
 
-__all__ = ["Solution", "minimum_peak", "solve"]
+__all__ = ["Solution", "minimum_peak", "solve", "useful_modes"]
 
 
 @dataclass
@@ -40,138 +56,200 @@ class Solution:
     """The solver's answer for one profile and micro-batch count."""
 
     modes: list[str]
-    """Mode per block, in profile order (``none`` / ``selective`` / ``full``)."""
+    """Mode per block, in profile order (``none`` / ``selective`` / ``full``; ``full`` in a segment)."""
     peak_bytes: int
-    """The simulator's peak for these modes (exact integer bytes)."""
+    """The simulator's peak for this plan (exact integer bytes)."""
     block_seconds: float
-    """Sum of the chosen modes' block times: the objective."""
+    """Sum of the chosen options' times: the objective."""
+    segments: list[tuple[int, int]] = field(default_factory=list)
+    """Segments as ``(first, last)`` block indices."""
+    options: list[Option] = field(default_factory=list)
+    """The chosen options in block order."""
 
 
-def _variables(profile: Profile) -> list[tuple[int, str]]:
-    return [(i, m) for i, b in enumerate(profile.blocks) for m in block_options(b)]
+def _costs(block: BlockStats, mode: str) -> tuple[int, ...]:
+    """What a block adds to each kind of event in ``mode``: held, forward, saved, own backward."""
+    saved = block.saved_bytes[mode]
+    held = block.held_bytes.get(mode, saved)
+    return held, block.forward_peak_bytes.get(mode, saved), saved, saved + block.backward_peak_bytes[mode]
 
 
-def _program(
-    profile: Profile, micro_batches: int, budget: float, cost: np.ndarray
-) -> tuple[list[tuple[int, str]], np.ndarray, LinearConstraint | None, LinearConstraint | None, float]:
-    """Rows: one choice per block (equality), each event <= budget (scaled to ~1)."""
-    var = _variables(profile)
-    index = {v: k for k, v in enumerate(var)}
-    n = len(profile.blocks)
-    choose = np.zeros((n, len(var)))
-    for k, (i, _) in enumerate(var):
-        choose[i, k] = 1.0
-    one = LinearConstraint(choose, 1.0, 1.0) if n else None
-    evs = events(profile, micro_batches)
-    scale = max(1.0, float(budget))
-    rows = np.zeros((len(evs), len(var)))
-    rhs = np.zeros(len(evs))
-    slack_min = np.inf
-    for r, ev in enumerate(evs):
-        for i, per_mode in ev.coef.items():
-            for m, b in per_mode.items():
-                rows[r, index[(i, m)]] = b / scale
-        rhs[r] = (budget - ev.const) / scale
-        if not ev.coef:
-            slack_min = min(slack_min, rhs[r])
-    mem = LinearConstraint(rows, -np.inf, rhs) if len(evs) else None
-    return var, cost, one, mem, float(slack_min)
+def useful_modes(block: BlockStats) -> list[str]:
+    """The block's modes less those that hold at least as much as keeping it at every moment.
+
+    # NOTE: such a mode is slower than keeping the block and lowers no event of the step, so
+    # no plan should choose it (a block whose input is not otherwise kept, or whose recompute
+    # peaks high, can have one).
+    """
+    options = block_options(block)
+    if "none" not in options:
+        return options
+    keep = _costs(block, "none")
+    return [
+        m for m in options if m == "none" or any(c < k for c, k in zip(_costs(block, m), keep, strict=True))
+    ]
 
 
-def _milp(
-    var: list[tuple[int, str]], cost: np.ndarray, constraints: list[LinearConstraint]
-) -> list[str] | None:
-    if not var:
-        return []
-    res = milp(
-        cost,
-        constraints=constraints,
-        integrality=np.ones(len(var)),
-        bounds=Bounds(0.0, 1.0),
-        options={"mip_rel_gap": 0.0, "presolve": True},
+class _Program:
+    """The options, their seconds, the one-option-per-block rows and the event rows."""
+
+    def __init__(self, profile: Profile, micro_batches: int, use_segments: bool) -> None:
+        self.profile = profile
+        opts = all_options(profile)
+        useful = [useful_modes(b) for b in profile.blocks]
+        self.options = [
+            o for o in opts if (use_segments or not o.segment) and (o.segment or o.mode in useful[o.first])
+        ]
+        per = [block_seconds(b) for b in profile.blocks]
+        self.seconds = np.array([option_seconds(profile, o, per) for o in self.options], dtype=float)
+        n, v = len(profile.blocks), len(self.options)
+        self.cover = np.zeros((n, v))
+        for k, o in enumerate(self.options):
+            self.cover[o.first : o.last + 1, k] = 1.0
+        self.events: list[Event] = events(profile, micro_batches, self.options)
+        self.rows = np.zeros((len(self.events), v))
+        index = {o: k for k, o in enumerate(self.options)}
+        for r, ev in enumerate(self.events):
+            for o, b in ev.coef.items():
+                self.rows[r, index[o]] = b
+        self.const = np.array([ev.const for ev in self.events], dtype=float)
+
+    def run(
+        self, cost: np.ndarray, extra: list[LinearConstraint], peak_var: bool, budget: float
+    ) -> np.ndarray | None:
+        """Solve with the event rows (<= budget, or <= z when ``peak_var``), return x or None."""
+        v = len(self.options)
+        scale = max(1.0, budget if not peak_var else float(self.const.max(initial=1.0)))
+        width = v + (1 if peak_var else 0)
+        cover = np.zeros((self.cover.shape[0], width))
+        cover[:, :v] = self.cover
+        rows = np.zeros((self.rows.shape[0], width))
+        rows[:, :v] = self.rows / scale
+        if peak_var:
+            rows[:, -1] = -1.0
+            rhs = -self.const / scale
+        else:
+            rhs = (budget - self.const) / scale
+        cons = [LinearConstraint(cover, 1.0, 1.0), LinearConstraint(rows, -np.inf, rhs)]
+        cons += [
+            LinearConstraint(np.pad(c.A, ((0, 0), (0, width - c.A.shape[1]))), c.lb, c.ub) for c in extra
+        ]
+        integrality = np.ones(width)
+        lo, hi = np.zeros(width), np.ones(width)
+        if peak_var:
+            integrality[-1], lo[-1], hi[-1] = 0, -np.inf, np.inf
+        res = milp(
+            np.pad(cost, (0, width - len(cost))),
+            constraints=cons,
+            integrality=integrality,
+            bounds=Bounds(lo, hi),
+            options={"mip_rel_gap": 0.0, "presolve": True},
+        )
+        if res.x is None or res.status != 0:
+            return None
+        return np.asarray(res.x[:v])
+
+    def picked(self, x: np.ndarray) -> list[Option]:
+        return sorted(o for o, val in zip(self.options, x, strict=True) if val > 0.5)
+
+
+def _solution(prog: _Program, chosen: list[Option], micro_batches: int) -> Solution:
+    modes = ["full"] * len(prog.profile.blocks)
+    for o in chosen:
+        if not o.segment:
+            modes[o.first] = o.mode
+    peak = simulate_options(prog.profile, chosen, micro_batches, prog.events).peak_bytes
+    seconds = float(sum(prog.seconds[prog.options.index(o)] for o in chosen))
+    segs = [(o.first, o.last) for o in chosen if o.segment]
+    return Solution(modes=modes, peak_bytes=peak, block_seconds=seconds, segments=segs, options=chosen)
+
+
+def _order(prog: _Program) -> np.ndarray:
+    """A fixed preference among equal plans: per block none, selective, full, then segments,
+    earlier blocks' choices weighing more (exact, so the same model gets the same plan)."""
+    rank = {"none": 0, "selective": 1, "full": 2}
+    n = max(1, len(prog.profile.blocks))
+    return np.array(
+        [
+            (3 if o.segment else rank[o.mode]) + o.first / n + (o.last - o.first) / (n * n)
+            for o in prog.options
+        ]
     )
-    if res.x is None or res.status not in (0,):
-        return None
-    picked: dict[int, str] = {}
-    for k, (i, m) in enumerate(var):
-        if res.x[k] > 0.5:
-            picked[i] = m
-    return [picked[i] for i in range(len(picked))]
 
 
-def solve(profile: Profile, budget_bytes: int, micro_batches: int = 1) -> Solution | None:
-    """The least-time modes whose simulated peak is at or under ``budget_bytes``.
+def solve(
+    profile: Profile,
+    budget_bytes: int,
+    micro_batches: int = 1,
+    *,
+    tie_seconds: float = 0.0,
+    segments: bool = True,
+) -> Solution | None:
+    """The least-time plan whose simulated peak is at or under ``budget_bytes``.
 
     Args:
         profile: measured per-block costs at one precision.
         budget_bytes: the limit every event of the step must respect.
         micro_batches: gradient-accumulation micro-batches (activations scale down).
+        tie_seconds: plans within this many seconds of the fastest are equally fast; the
+            lowest peak among them wins (0: the fastest only, ties broken the same way).
+        segments: also consider segments (where the profile's chain links allow them).
 
     Returns:
-        The optimal :class:`Solution`, or None when no choice of modes fits.
+        The :class:`Solution`, or None when no plan fits.
     """
-    var = _variables(profile)
-    times = [block_seconds(b) for b in profile.blocks]
-    raw = np.array([times[i][m] for i, m in var], dtype=float)
-    # NOTE: the objective is normalised so HiGHS's absolute tolerances mean the same at any
-    # scale; a tie between equal-time plans goes to the one listed first (less recompute).
-    cost = raw / max(float(raw.max()) if raw.size else 1.0, 1e-12)
+    prog = _Program(profile, micro_batches, segments)
+    if not prog.options:
+        chosen: list[Option] = []
+        sol = _solution(prog, chosen, micro_batches)
+        return sol if sol.peak_bytes <= budget_bytes else None
+    top = float(prog.seconds.max()) or 1.0
+    cost = prog.seconds / top
     tighten = 0.0
     for _ in range(4):
-        var, cost, one, mem, fixed_slack = _program(profile, micro_batches, budget_bytes - tighten, cost)
-        if fixed_slack < 0:
+        budget = budget_bytes - tighten
+        if np.any((prog.const > budget) & ~prog.rows.any(axis=1)):
             return None
-        modes = _milp(var, cost, [c for c in (one, mem) if c is not None])
-        if modes is None:
+        x = prog.run(cost, [], False, budget)
+        if x is None:
             return None
-        peak = simulate(profile, modes, micro_batches).peak_bytes
-        if peak <= budget_bytes:
-            total = sum(times[i][m] for i, m in enumerate(modes))
-            return Solution(modes=modes, peak_bytes=peak, block_seconds=total)
+        best = float(cost @ x)
+        # NOTE: HiGHS proves optimality to ~1e-7 of the normalised objective; the band below
+        # takes at least that, so plans the solver cannot tell apart are ties too.
+        band = best + max(tie_seconds / top, 1e-6 * max(1.0, best))
+        in_time = LinearConstraint(cost.reshape(1, -1), -np.inf, band)
+        peak_cost = np.zeros(len(prog.options) + 1)
+        peak_cost[-1] = 1.0
+        lowest = prog.run(peak_cost, [in_time], True, budget)
+        chosen = prog.picked(x if lowest is None else lowest)
+        peak = float(simulate_options(profile, chosen, micro_batches, prog.events).peak_bytes)
+        at_peak = LinearConstraint(prog.rows / max(1.0, peak), -np.inf, (peak - prog.const) / max(1.0, peak))
+        ordered = prog.run(_order(prog), [in_time, at_peak], False, budget)
+        if ordered is not None:
+            chosen = prog.picked(ordered)
+        sol = _solution(prog, chosen, micro_batches)
+        if sol.peak_bytes <= budget_bytes:
+            return sol
         # NOTE: HiGHS accepts rows violated by up to its feasibility tolerance (~1e-7 of the
-        # budget); the exact check caught one, so the row is tightened by the excess.
-        tighten += peak - budget_bytes
+        # budget); the exact check caught one, so the rows are tightened by the excess.
+        tighten += sol.peak_bytes - budget_bytes
     return None
 
 
-def minimum_peak(profile: Profile, micro_batches: int = 1) -> Solution:
-    """The modes with the smallest simulated peak (ties: least time), for error messages.
+def minimum_peak(profile: Profile, micro_batches: int = 1, *, segments: bool = True) -> Solution:
+    """The plan with the smallest simulated peak (ties: least time), for error messages.
 
     Minimises ``z`` subject to every event <= ``z``, then re-solves for time at that peak.
     """
-    var = _variables(profile)
-    evs = events(profile, micro_batches)
-    if not var:
-        sim = simulate(profile, [], micro_batches)
-        return Solution(modes=[], peak_bytes=sim.peak_bytes, block_seconds=0.0)
-    index = {v: k for k, v in enumerate(var)}
-    scale = float(max(1, max(e.const for e in evs)))
-    rows = np.zeros((len(evs), len(var) + 1))
-    rhs = np.zeros(len(evs))
-    for r, ev in enumerate(evs):
-        for i, per_mode in ev.coef.items():
-            for m, b in per_mode.items():
-                rows[r, index[(i, m)]] = b / scale
-        rows[r, -1] = -1.0
-        rhs[r] = -ev.const / scale
-    choose = np.zeros((len(profile.blocks), len(var) + 1))
-    for k, (i, _) in enumerate(var):
-        choose[i, k] = 1.0
-    cost = np.zeros(len(var) + 1)
-    cost[-1] = 1.0
-    integrality = np.ones(len(var) + 1)
-    integrality[-1] = 0
-    res = milp(
-        cost,
-        constraints=[LinearConstraint(choose, 1.0, 1.0), LinearConstraint(rows, -np.inf, rhs)],
-        integrality=integrality,
-        bounds=Bounds(np.r_[np.zeros(len(var)), -np.inf], np.r_[np.ones(len(var)), np.inf]),
-        options={"mip_rel_gap": 0.0},
-    )
-    if res.x is None:  # pragma: no cover - the program always has a solution
-        raise RuntimeError(f"HiGHS found no minimum-peak plan: {res.message}")
-    picked = {i: m for k, (i, m) in enumerate(var) if res.x[k] > 0.5}
-    modes = [picked[i] for i in range(len(profile.blocks))]
-    peak = simulate(profile, modes, micro_batches).peak_bytes
-    best = solve(profile, peak, micro_batches)
-    return best if best is not None else Solution(modes, peak, 0.0)
+    prog = _Program(profile, micro_batches, segments)
+    if not prog.options:
+        return _solution(prog, [], micro_batches)
+    peak_cost = np.zeros(len(prog.options) + 1)
+    peak_cost[-1] = 1.0
+    x = prog.run(peak_cost, [], True, 0.0)
+    if x is None:  # pragma: no cover - the program always has a solution
+        raise RuntimeError("HiGHS found no minimum-peak plan")
+    chosen = prog.picked(x)
+    peak = simulate_options(profile, chosen, micro_batches, prog.events).peak_bytes
+    best = solve(profile, peak, micro_batches, segments=segments)
+    return best if best is not None else _solution(prog, chosen, micro_batches)

@@ -18,7 +18,7 @@ from memfit.records.check import ModuleRange, NonFinite, PrecisionCheck, RunCurv
 from memfit.records.estimate import Estimate, EstimateEntry
 from memfit.records.memory import BREAKDOWN_KEYS, MemoryReport
 from memfit.records.plan import Plan
-from memfit.records.profile import BlockStats, Profile
+from memfit.records.profile import BlockStats, Profile, Speed
 from memfit.records.train import StepMetrics
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "Profile",
     "Record",
     "RunCurve",
+    "Speed",
     "StabilityReport",
     "StepMetrics",
 ]

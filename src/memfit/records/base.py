@@ -13,36 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import types
 import typing
 from typing import Any, TypeVar
+
+from memfit.errors import ConfigError
+from memfit.typed_json import decode
 
 __all__ = ["Record"]
 
 _R = TypeVar("_R", bound="Record")
-
-
-def _decode(tp: Any, value: Any) -> Any:
-    """Rebuild ``value`` (parsed JSON) as type ``tp`` (nested records, lists, dicts)."""
-    if value is None:
-        return None
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _decode(args[0], value) if len(args) == 1 else value
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp) and issubclass(tp, Record):
-        return tp.from_dict(value)
-    if origin is list:
-        return [_decode(typing.get_args(tp)[0], v) for v in value]
-    if origin is tuple:
-        targs = typing.get_args(tp)
-        if len(targs) == 2 and targs[1] is Ellipsis:
-            return tuple(_decode(targs[0], v) for v in value)
-        return tuple(_decode(a, v) for a, v in zip(targs, value, strict=True))
-    if origin is dict:
-        _, val_tp = typing.get_args(tp)
-        return {k: _decode(val_tp, v) for k, v in value.items()}
-    return value
 
 
 class Record:
@@ -58,15 +37,46 @@ class Record:
 
     @classmethod
     def from_dict(cls: type[_R], data: dict[str, Any]) -> _R:
-        """Build the record from :meth:`to_dict` output; unknown keys are an error."""
+        """Build the record from :meth:`to_dict` output, checking every field's type.
+
+        Raises:
+            ConfigError: ``data`` is not a dict, has unknown or missing fields, or a value of
+                the wrong type (also a ``ValueError``).
+        """
+        name = cls.__name__
+        if not isinstance(data, dict):
+            raise ConfigError(f"{name} must be a JSON object, got {type(data).__name__}")
         hints = typing.get_type_hints(cls)
-        names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = set(data) - names
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        unknown = set(data) - {f.name for f in fields}
         if unknown:
-            raise ValueError(f"{cls.__name__} has no field(s) {sorted(unknown)}")
-        return cls(**{k: _decode(hints[k], v) for k, v in data.items()})
+            raise ConfigError(f"{name} has no field(s) {sorted(map(str, unknown))}")
+        missing = [
+            f.name
+            for f in fields
+            if f.name not in data
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        ]
+        if missing:
+            raise ConfigError(f"{name} lacks the field(s) {missing}")
+        values = {k: decode(hints[k], v, f"{name}.{k}") for k, v in data.items()}
+        try:
+            return cls(**values)
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"{name} cannot be built: {exc}") from None
 
     @classmethod
     def from_json(cls: type[_R], text: str) -> _R:
-        """Build the record from :meth:`to_json` output."""
-        return cls.from_dict(json.loads(text))
+        """Build the record from :meth:`to_json` output.
+
+        Raises:
+            ConfigError: the text is not JSON, or not this record (see :meth:`from_dict`).
+        """
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as exc:
+            raise ConfigError(f"not valid JSON for a {cls.__name__}: {str(exc)[:200]}") from None
+        return cls.from_dict(data)

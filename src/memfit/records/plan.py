@@ -30,8 +30,19 @@ class Plan(Record):
     budget_bytes: int = 0
     measured_peak_bytes: int = 0
     """The plan's peak as measured when it was made (0: not measured)."""
+    batch_size: int = 0
+    """The batch the plan was made for (with ``maximize="batch_size"``: the largest that fits);
+    0 when not recorded (older plans)."""
     notes: list[str] = field(default_factory=list)
     """What the user should know about the plan (e.g. BatchNorm sees micro-batches)."""
+    segments: list[list[str]] = field(default_factory=list)
+    """Runs of consecutive blocks checkpointed as one segment (``checkpoint_sequential``'s
+    way: one call, only the run's input and last output kept); their blocks read ``full``
+    in :attr:`blocks`. Empty in plans made before segments existed."""
+    planning_seconds: float = 0.0
+    """Wall time ``memfit.plan`` took to make this plan (0: not recorded)."""
+    measured: list[str] = field(default_factory=list)
+    """What planning ran, one line each (steps tracked and timed, micro-benchmarks)."""
 
     def __post_init__(self) -> None:
         # NOTE: one spelling of the modes (memfit.vocab); plans saved with "keep" still load.
@@ -41,3 +52,10 @@ class Plan(Record):
                 "make the plan again with memfit plan."
             )
         self.blocks = normalize_modes(self.blocks)
+        for seg in self.segments:
+            inside = [n for n in seg if self.blocks.get(n) != "full"]
+            if len(seg) < 2 or inside:
+                raise ConfigError(
+                    f"the plan's segment {seg} needs two or more blocks, each 'full' in its blocks; "
+                    "make the plan again with memfit plan."
+                )

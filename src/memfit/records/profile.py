@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from memfit.records.base import Record
 
-__all__ = ["BlockStats", "Profile"]
+__all__ = ["BlockStats", "Profile", "Speed"]
 
 
 @dataclass
@@ -75,6 +75,47 @@ class BlockStats(Record):
     micro-batches (FSDP2's gathered parameters and whole gradients before reduce-scatter)."""
     held_bytes: dict[str, int] = field(default_factory=dict)
     """Bytes it holds when its forward returns (saved bytes + what the forward's end frees)."""
+    output_bytes: int = 0
+    """Bytes of its output still alive when the forward ends (kept by what reads it), with
+    every block fully checkpointed; a segment of blocks keeps only its last one's."""
+    forward_bytes: int = 0
+    """Bytes of the storages its forward creates (no checkpointing): what it writes."""
+    forward_ops: int = 0
+    """Aten ops its forward dispatches (each costs a fixed dispatch time)."""
+    selective_flops: int = 0
+    """Forward FLOPs of the ops selective checkpointing recomputes."""
+
+
+@dataclass
+class Speed(Record):
+    """What one unit of work costs on the profiled device: the step time model's constants.
+
+    The first five come from micro-benchmarks on the device (a matmul, an elementwise op,
+    tiny ops, a checkpointed tiny function with and without selective checkpointing);
+    ``forward_scale`` and ``backward_scale`` fit the resulting model of the forward to the
+    forward and backward of whole timed steps. :mod:`memfit.stepmodel` turns them, with each
+    block's FLOPs, bytes and ops, into seconds per option.
+    """
+
+    flop_seconds: float = 0.0
+    """Seconds per FLOP of a large matmul at the profile's precision."""
+    byte_seconds: float = 0.0
+    """Seconds per byte written by an elementwise op."""
+    op_seconds: float = 0.0
+    """Seconds to dispatch one small aten op."""
+    checkpoint_seconds: float = 0.0
+    """Extra seconds of one checkpointed call (forward + backward), recompute aside."""
+    selective_op_seconds: float = 0.0
+    """Extra seconds per op of a selectively checkpointed call (forward + recompute)."""
+    forward_scale: float = 1.0
+    """Measured forward seconds over the model's: the work units' efficiency in this model."""
+    backward_scale: float = 2.0
+    """Measured backward seconds over the modelled forward's."""
+    timed_steps: int = 0
+    """Whole steps timed to fit the two scales."""
+    selective_steps: int = 0
+    """Whole steps timed with every block selectively checkpointed, to fit
+    ``selective_op_seconds`` (0: the micro-benchmark's)."""
 
 
 @dataclass
@@ -90,9 +131,11 @@ class Profile(Record):
     largest of:
 
     - forward of block i: ``fixed + outside_before_bytes + H(i-1) + forward_peak_bytes[m_i]``
-    - forward outside: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
+    - forward outside before the blocks: ``fixed + outside_before_forward_peak_bytes``
+    - forward outside after them: ``fixed + H(n-1) + outside.forward_peak_bytes[m]``
     - backward of block i: ``fixed + G(i) + outside_before_kept_bytes + S(i) + backward_peak_bytes[m_i]``
-    - backward outside: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
+    - backward outside after the blocks: ``fixed + S(n-1) + outside.backward_peak_bytes[m]``
+    - backward outside before them: ``fixed + block gradients + outside_before_backward_peak_bytes``
     - optimizer step: ``fixed + grad_bytes + optimizer_temp_bytes``
 
     :func:`memfit.stepmodel.simulate` implements this (with micro-batches too).
@@ -138,3 +181,15 @@ class Profile(Record):
     """Caveats found while profiling (no blocks found, ops without FLOP formulas, ...)."""
     optimizer_bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     """The optimizer state split by dtype, e.g. ``{"float32": ...}`` (step counters included)."""
+    outside_before_forward_peak_bytes: int = 0
+    """Highest bytes above the step's start while the outside runs before the first block
+    (stem, embeddings): no block holds anything then."""
+    outside_before_backward_peak_bytes: int = 0
+    """Highest bytes above parameters, optimizer state and the blocks' gradients while the
+    outside's backward runs after every block's (stem, embeddings): no block keeps anything."""
+    chain_links: list[bool] = field(default_factory=list)
+    """``chain_links[k]``: block k+1 takes block k's output as its input (its other arguments
+    being block k's), so one checkpointed segment may span both (``checkpoint_sequential``'s
+    condition). Empty: no segments."""
+    speed: Speed | None = None
+    """The time model's constants (None: block times are as recorded, e.g. an estimate)."""

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from memfit.records import BREAKDOWN_KEYS, StepMetrics
 
-__all__ = ["loss_plot", "memory_plot"]
+__all__ = ["loss_plot", "memory_plot", "training_plots"]
 
 _COLORS = {
     "params": "#4c72b0",
@@ -78,8 +79,14 @@ def loss_plot(path: str | os.PathLike[str], runs: dict[str, Sequence[StepMetrics
     plt.close(fig)
 
 
-def memory_plot(path: str | os.PathLike[str], breakdowns: dict[str, dict[str, int]], title: str = "") -> None:
-    """Stacked bars of peak memory by part (params, grads, optimizer, activations, temporaries)."""
+def memory_plot(
+    path: str | os.PathLike[str],
+    breakdowns: dict[str, dict[str, int]],
+    title: str = "",
+    budget_bytes: int | None = None,
+) -> None:
+    """Stacked bars of peak memory by part (params, grads, optimizer, activations, temporaries);
+    ``budget_bytes`` is drawn as a dashed line when given."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5), dpi=110)
     names = list(breakdowns)
@@ -98,11 +105,38 @@ def memory_plot(path: str | os.PathLike[str], breakdowns: dict[str, dict[str, in
             xytext=(0, 3),
             textcoords="offset points",
         )
+    top = max([*bottoms, 1e-9])
+    if budget_bytes:
+        label = f"budget {budget_bytes / mib:.1f} MiB"
+        ax.axhline(budget_bytes / mib, color="0.2", ls="--", lw=1.2, label=label)
+        top = max(top, budget_bytes / mib)
     ax.set_ylabel("peak memory of one training step (MiB)")
-    ax.set_ylim(0, max([*bottoms, 1e-9]) * 1.15)
+    ax.set_ylim(0, top * 1.15)
     ax.set_title(title or "peak memory")
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], loc="upper right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def training_plots(
+    out: str | os.PathLike[str],
+    history: Sequence[StepMetrics],
+    breakdown: dict[str, int] | None,
+    budget_bytes: int | None = None,
+    title: str = "",
+) -> dict[str, Path]:
+    """``loss.png`` (and ``memory.png`` when a step's memory was tracked) in ``out``, as the demo draws them.
+
+    Returns:
+        ``{"loss": path, "memory": path}`` for the files written.
+    """
+    folder = Path(out)
+    written = {"loss": folder / "loss.png"}
+    loss_plot(written["loss"], {"train": history}, title=title or "training loss")
+    if breakdown:
+        written["memory"] = folder / "memory.png"
+        title = "peak memory of one training step"
+        memory_plot(written["memory"], {"this run": breakdown}, title, budget_bytes)
+    return written

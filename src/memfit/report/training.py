@@ -17,6 +17,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from memfit.budget import format_bytes
 from memfit.records import BREAKDOWN_KEYS, MemoryReport, StepMetrics
@@ -87,8 +88,9 @@ def training_report(
     memory: MemoryReport | None,
     settings: dict[str, str],
     notes: Sequence[str] = (),
+    images: Sequence[str] = (),
 ) -> str:
-    """A Markdown report: settings, results, the memory breakdown and notes."""
+    """A Markdown report: settings, results, the memory breakdown, notes and ``images`` (file names)."""
     s = summarize(history)
     lines = [f"# {title}", "", "## Settings", ""]
     lines.append(markdown_table(["setting", "value"], [[k, v] for k, v in settings.items()]))
@@ -110,4 +112,6 @@ def training_report(
         ]
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    for image in images:
+        lines += ["", f"![{Path(image).stem}]({image})"]
     return "\n".join(lines) + "\n"

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from memfit.errors import StateError
 from memfit.records import StepMetrics
 
 if TYPE_CHECKING:
@@ -47,6 +49,15 @@ class Callback:
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """Called when :meth:`Trainer.fit` ends, also when it stops early."""
+
+    def save_last_good(self, trainer: Trainer) -> Path | None:
+        """Write the last good training state and return where, or None to leave it to others.
+
+        The Trainer calls this (callbacks in order, the first path wins) before it stops on
+        a step that cannot go on: a non-finite loss, or running out of memory with no plan
+        that fits. Model, optimizer and step count are then those before the failed step.
+        """
+        return None
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
@@ -80,23 +91,32 @@ class MetricsLog(Callback):
             for m in kept:
                 f.write(m.to_json(indent=None) + "\n")
         self._file: IO[str] | None = None
+        self.error: str | None = None
+        """Why a line could not be written (the Trainer is then asked to stop), or None."""
 
     def on_fit_start(self, trainer: Trainer) -> None:
         """Open the file for appending."""
         self._file = self.path.open("a", encoding="utf-8")
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
-        """Write and flush the step's line."""
-        if self._file is None:
-            self.on_fit_start(trainer)
-        assert self._file is not None
-        self._file.write(metrics.to_json(indent=None) + "\n")
-        self._file.flush()
+        """Write and flush the step's line; when that fails, stop training after this step."""
+        try:
+            if self._file is None:
+                self.on_fit_start(trainer)
+            assert self._file is not None
+            self._file.write(metrics.to_json(indent=None) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self.error = f"cannot write {str(self.path)!r} ({exc.strerror or exc})"
+            trainer.stop(self.error)
 
     def on_fit_end(self, trainer: Trainer) -> None:
         """Close the file."""
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self.error = self.error or f"cannot write {str(self.path)!r} ({exc.strerror or exc})"
             self._file = None
 
 
@@ -123,20 +143,45 @@ class SaveState(Callback):
         self.extra = extra
         self.saved_step: int | None = None
 
+    def _write(self, trainer: Trainer, path: Path) -> Path:
+        """Save to ``path``; when it cannot be written, save to a rescue folder and say so.
+
+        Raises:
+            StateError: ``path`` could not be written (the message names where the state
+                went instead, or the last state on disk).
+        """
+        try:
+            trainer.save(path, data=self.data, extra=self.extra)
+            return path
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+        # NOTE: out of the except clause; the rescue folder is on another file system path,
+        # so a full or read-only output directory does not lose the steps since the last save.
+        rescue = Path(tempfile.gettempdir()) / f"memfit-rescue-{os.getpid()}" / path.name
+        try:
+            trainer.save(rescue, data=self.data, extra=self.extra)
+        except OSError:
+            kept = f"the last state on disk is {str(path)!r}" if path.exists() else "no state is on disk"
+            raise StateError(
+                f"cannot write the training state {str(path)!r} ({reason}), nor a rescue copy; {kept}."
+            ) from None
+        raise StateError(
+            f"cannot write the training state {str(path)!r} ({reason}); the state of step "
+            f"{trainer.step_count} was saved to {str(rescue)!r} instead: make {str(path.parent)!r} "
+            f"writable and resume with memfit train --resume {rescue} --set train.out='{path.parent}'."
+        )
+
     def _save(self, trainer: Trainer) -> None:
-        trainer.save(self.path, data=self.data, extra=self.extra)
+        self._write(trainer, self.path)
         self.saved_step = trainer.step_count
 
     def save_last_good(self, trainer: Trainer) -> Path:
-        """Write the last good state as ``last-good.pt`` beside :attr:`path` (the guard calls
-        this before stopping on a non-finite loss); returns its path.
+        """Write the last good state as ``last-good.pt`` beside :attr:`path`; returns its path.
 
         The data position is the one after the failed batch, so resuming from it skips
         that batch; model, optimizer and step count are those before the failed step.
         """
-        path = self.path.with_name("last-good.pt")
-        trainer.save(path, data=self.data, extra=self.extra)
-        return path
+        return self._write(trainer, self.path.with_name("last-good.pt"))
 
     def on_step_end(self, trainer: Trainer, metrics: StepMetrics) -> None:
         """Save when the step number is a multiple of ``every``."""

@@ -95,16 +95,19 @@ class ByteCorpus:
         ``path="stdlib"`` reads the Python standard library's source files.
         """
         root = stdlib_source_dir() if str(path) == "stdlib" else Path(path)
-        if not root.exists():
-            raise ConfigError(
-                f"data path {str(root)!r} does not exist; set data.path to a text file, a "
-                "directory of text files, or 'stdlib'."
-            )
-        if root.is_dir():
-            data = _read_dir(root, max_bytes)
-        else:
-            data = root.read_bytes()
-            data = data[:max_bytes] if max_bytes is not None else data
+        try:
+            if not root.exists():
+                raise ConfigError(
+                    f"data path {str(root)!r} does not exist; set data.path to a text file, a "
+                    "directory of text files, or 'stdlib'."
+                )
+            if root.is_dir():
+                data = _read_dir(root, max_bytes)
+            else:
+                data = root.read_bytes()
+                data = data[:max_bytes] if max_bytes is not None else data
+        except OSError as exc:
+            raise ConfigError(f"cannot read data path {str(root)!r} ({exc.strerror or exc}).") from None
         if len(data) < 1024:
             raise ConfigError(
                 f"data path {str(root)!r} holds only {len(data)} bytes of text; give at least 1 KiB."

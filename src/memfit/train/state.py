@@ -1,17 +1,18 @@
-"""Training-state files: written atomically, verified by checksum, loaded without pickle code.
+"""Training-state files: written atomically, authenticated with a key, loaded without pickle code.
 
-A state file holds everything a run needs to continue exactly where it stopped: model,
-optimizer, loss scaler, learning-rate schedule, RNG states (torch, CUDA, numpy, python),
-the data sampler's position and the step count.
+This module is the file format only: it writes and reads a dict of tensors and plain data,
+and captures and restores the global random generators. What goes into the dict is the
+Trainer's business (:meth:`memfit.Trainer.state_dict`).
 
 Trade-off: each save serializes the whole state into memory first and writes it once,
 so a save briefly needs the state's size in host memory; in exchange a crash at any
 moment leaves either the old file or the new one, never a half-written one.
 
-File layout: ``MEMFIT-STATE-1\\n``, the payload length (8 bytes, little-endian), the
-SHA-256 of the payload (32 bytes), then the payload (a ``torch.save`` archive). Loading
-checks length and checksum before ``torch.load(weights_only=True)`` reads the payload, so
-a truncated or damaged file is refused with a clear error and a file never runs code.
+File layout: ``MEMFIT-STATE-2\\n``, the payload length (8 bytes, little-endian), the
+HMAC-SHA256 of the payload (32 bytes), then the payload (a ``torch.save`` archive). The
+HMAC key is this user's state key (:func:`state_key`), so a file that was damaged, edited,
+or written by anyone without the key is refused before ``torch.load(weights_only=True)``
+reads it, and a file never runs code.
 
 Example:
     >>> import tempfile, torch
@@ -27,44 +28,103 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import io
 import os
 import pickle
 import random
+import secrets
 import struct
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from memfit.errors import StateError
-from memfit.train.distributed import unwrap
-
-if TYPE_CHECKING:
-    from memfit.train.trainer import Trainer
 
 __all__ = [
+    "KEY_ENV",
     "capture_rng",
+    "file_digest",
     "load_state",
     "previous_path",
+    "remove_stale_temporaries",
     "restore_rng",
-    "restore_trainer",
     "save_state",
-    "trainer_state",
+    "state_key",
     "verify_state",
 ]
 
-_FORMAT = "memfit-training-state"
-_MAGIC = b"MEMFIT-STATE-1\n"
+_MAGIC = b"MEMFIT-STATE-2\n"
+_OLD_MAGIC = b"MEMFIT-STATE-1\n"
 _HEADER = len(_MAGIC) + 8 + 32
+#: Environment variable naming the key file (default ``~/.config/memfit/state.key``).
+KEY_ENV = "MEMFIT_STATE_KEY"
 
 
 def previous_path(path: str | os.PathLike[str]) -> Path:
     """Where the state before ``path`` is kept: ``state.pt`` -> ``state.prev.pt``."""
     p = Path(path)
     return p.with_name(f"{p.stem}.prev{p.suffix}")
+
+
+def _key_path() -> Path:
+    named = os.environ.get(KEY_ENV)
+    if named:
+        return Path(named).expanduser()
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / "memfit" / "state.key"
+
+
+def state_key(create: bool = True) -> bytes:
+    """This user's key for authenticating state files (32 random bytes, created once, mode 0600).
+
+    # NOTE: the key lives with the user (``$MEMFIT_STATE_KEY`` or ``~/.config/memfit/state.key``),
+    # not with the run, so a run directory copied from elsewhere, key and all, is not
+    # trusted by accident. It is created by a link of a finished temporary file, so two
+    # processes starting at once agree on one key.
+    """
+    path = _key_path()
+    try:
+        key = path.read_bytes()
+    except FileNotFoundError:
+        if not create:
+            raise StateError(
+                f"the state key {str(path)!r} does not exist, so no state file can be authenticated; "
+                f"set {KEY_ENV} to the key file of the account that wrote it."
+            ) from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".state.key.", dir=path.parent)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, secrets.token_bytes(32))
+            os.close(fd)
+            with contextlib.suppress(FileExistsError):
+                os.link(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        key = path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"cannot read the state key {str(path)!r} ({exc.strerror or exc}).") from None
+    if len(key) < 16:
+        raise StateError(f"the state key {str(path)!r} is too short; delete it and a new one is made.")
+    return key
+
+
+def _mac(key: bytes, payload: bytes | memoryview) -> bytes:
+    return hmac.new(key, payload, hashlib.sha256).digest()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """The SHA-256 of a file's bytes, as hex (used to pin shard files to a state file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -78,12 +138,23 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
+def remove_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Delete ``.state.pt.*.tmp`` files a killed save left beside ``path``; returns them."""
+    path = Path(path)
+    stale = list(path.parent.glob(f".{path.name}.*.tmp")) if path.parent.is_dir() else []
+    for tmp in stale:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+    return stale
+
+
 def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previous: bool = True) -> Path:
     """Write ``state`` to ``path`` atomically; the file before it becomes ``state.prev.pt``.
 
     The bytes go to a temporary file in the same directory, are flushed and fsynced, and
     only then replace ``path`` (``os.replace``), so readers see the old file or the
     complete new one. The directory is fsynced so the rename survives a power cut.
+    Temporary files of saves that were killed half-way are removed.
 
     Args:
         state: tensors and plain data (dicts, lists, numbers, strings).
@@ -93,16 +164,21 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
 
     Returns:
         ``path`` as a Path.
+
+    Raises:
+        OSError: the file cannot be written (the old files are then untouched).
     """
     path = Path(path)
+    key = state_key()
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     buffer = io.BytesIO()
     torch.save(state, buffer)
     payload = buffer.getbuffer()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(payload)) + hashlib.sha256(payload).digest())
+            f.write(_MAGIC + struct.pack("<Q", len(payload)) + _mac(key, payload))
             f.write(payload)
             f.flush()
             os.fsync(f.fileno())
@@ -118,10 +194,22 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
 
 
 def _payload(path: Path) -> bytes:
-    """The verified payload of a state file; raises a one-sentence StateError otherwise."""
-    if not path.is_file():
-        raise StateError(f"training state {str(path)!r} does not exist.")
-    data = path.read_bytes()
+    """The authenticated payload of a state file; raises a one-sentence StateError otherwise."""
+    try:
+        if path.is_dir():
+            raise StateError(
+                f"training state {str(path)!r} is a directory; give the path of a state.pt file."
+            )
+        if not path.is_file():
+            raise StateError(f"training state {str(path)!r} does not exist.")
+        data = path.read_bytes()
+    except OSError as exc:
+        raise StateError(f"cannot read training state {str(path)!r} ({exc.strerror or exc}).") from None
+    if data.startswith(_OLD_MAGIC):
+        raise StateError(
+            f"training state {str(path)!r} was written by an older memfit without authentication; "
+            "start a new run (its weights cannot be trusted)."
+        )
     if not data.startswith(_MAGIC):
         raise StateError(f"{str(path)!r} is not a memfit training state (its header is wrong).")
     if len(data) < _HEADER:
@@ -132,13 +220,16 @@ def _payload(path: Path) -> bytes:
         raise StateError(
             f"training state {str(path)!r} is truncated: it holds {len(payload)} of {length} payload bytes."
         )
-    if hashlib.sha256(payload).digest() != data[len(_MAGIC) + 8 : _HEADER]:
-        raise StateError(f"training state {str(path)!r} is damaged: its checksum does not match.")
+    if not hmac.compare_digest(_mac(state_key(create=False), payload), data[len(_MAGIC) + 8 : _HEADER]):
+        raise StateError(
+            f"training state {str(path)!r} is damaged or was not written with this user's state key: "
+            "its checksum (HMAC-SHA256) does not match."
+        )
     return payload
 
 
 def verify_state(path: str | os.PathLike[str]) -> bool:
-    """True when ``path`` is a complete, undamaged state file."""
+    """True when ``path`` is a complete, undamaged state file written with this user's key."""
     try:
         _payload(Path(path))
     except StateError:
@@ -147,22 +238,22 @@ def verify_state(path: str | os.PathLike[str]) -> bool:
 
 
 def load_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a state file written by :func:`save_state`, refusing damaged ones.
+    """Read a state file written by :func:`save_state`, refusing damaged or forged ones.
 
     Returns:
         The saved dict, tensors on the CPU.
 
     Raises:
-        StateError: the file is missing, truncated, damaged, or holds something other
-            than tensors and plain data; the message names the intact previous state
-            when there is one.
+        StateError: the file is missing, truncated, damaged, not authenticated by this
+            user's key, or holds something other than tensors and plain data; the message
+            names the intact previous state when there is one.
     """
     path = Path(path)
     try:
         payload = _payload(path)
         try:
             state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError) as exc:
+        except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise StateError(
                 f"training state {str(path)!r} cannot be loaded safely (weights_only): {first}"
@@ -213,54 +304,3 @@ def restore_rng(state: dict[str, Any]) -> None:
     )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
-
-
-def trainer_state(
-    trainer: Trainer, data: Any | None = None, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """What :meth:`memfit.Trainer.save` writes: model, optimizer, precision (loss scaler),
-    scheduler, RNG states, ``data.state_dict()``, the step count and ``extra``.
-
-    The model's state is that of the model inside a DDP wrapper, so its keys are the same
-    with and without DDP."""
-    return {
-        "format": _FORMAT,
-        "version": 1,
-        "step": trainer.step_count,
-        "model": unwrap(trainer.model).state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "precision": trainer.precision.state_dict(),
-        "scheduler": trainer.scheduler.state_dict() if trainer.scheduler is not None else None,
-        "rng": capture_rng(),
-        "data": data.state_dict() if data is not None else None,
-        "extra": extra or {},
-    }
-
-
-def restore_trainer(trainer: Trainer, state: dict[str, Any], data: Any | None = None) -> dict[str, Any]:
-    """Put :func:`trainer_state` back into ``trainer`` (and ``data``); returns ``extra``.
-
-    Raises:
-        StateError: the state is not a Trainer's, or its model does not fit this one.
-    """
-    if state.get("format") != _FORMAT:
-        raise StateError("this file is not a memfit Trainer state; write one with Trainer.save().")
-    # NOTE: an FSDP2 state holds no "model" and "optimizer": their shards were loaded with DCP.
-    try:
-        if "model" in state:
-            unwrap(trainer.model).load_state_dict(state["model"])
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0]
-        raise StateError(
-            f"the saved model does not fit this model ({first.rstrip('.:')}); resume with the same model."
-        ) from None
-    if "optimizer" in state:
-        trainer.optimizer.load_state_dict(state["optimizer"])
-    trainer.precision.load_state_dict(state["precision"])
-    if trainer.scheduler is not None and state.get("scheduler") is not None:
-        trainer.scheduler.load_state_dict(state["scheduler"])
-    if data is not None and state.get("data") is not None:
-        data.load_state_dict(state["data"])
-    restore_rng(state["rng"])
-    trainer.step_count = int(state["step"])
-    return dict(state.get("extra") or {})

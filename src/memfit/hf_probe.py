@@ -1,0 +1,77 @@
+"""Facts about third-party model objects, found without importing their libraries.
+
+Checkpointing must know a few things about Hugging Face models: whether their own gradient
+checkpointing is on, which of a block's arguments are caches that a forward pass appends
+to, and which classes Hugging Face itself checkpoints. They are read here from class names
+and attributes, so ``memfit.checkpointing`` depends on nothing in ``memfit.integrations``
+(which builds on this module, one way) and works whether or not ``transformers`` is
+installed.
+
+Example:
+    >>> from torch import nn
+    >>> hf_checkpointing_active(nn.Linear(2, 2))
+    False
+    >>> without_caches((1,), {"use_cache": True, "past_key_values": object()})
+    ((1,), {'use_cache': False, 'past_key_values': None}, ['use_cache', 'past_key_values'])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+__all__ = ["hf_block_classes", "hf_checkpointing_active", "is_hf_cache", "without_caches"]
+
+#: Keyword arguments through which Hugging Face blocks receive a cache they append to
+#: (decoders' key/value caches; ``cache_params`` is the state-space models' cache).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past", "cache_params")
+
+
+def _from_transformers(cls: type, name: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith("transformers.") for c in cls.__mro__)
+
+
+def is_hf_cache(obj: Any) -> bool:
+    """Whether ``obj`` is a Hugging Face cache (``transformers.cache_utils.Cache`` or a subclass)."""
+    return _from_transformers(type(obj), "Cache")
+
+
+def without_caches(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
+    """A block call's arguments with its caches turned off, and the names of what was changed.
+
+    # NOTE: a Hugging Face decoder block appends this step's keys and values to the cache it
+    # is given. Recomputed in backward, it would append them a second time (the cache
+    # doubles, and the recompute attends to it: different results, or shape errors). Hugging
+    # Face's own ``GradientCheckpointingLayer`` passes ``use_cache=False`` and no cache to a
+    # checkpointed layer while training; memfit does the same. Training never reads the cache.
+    """
+    changed: list[str] = []
+    out = dict(kwargs)
+    if out.get("use_cache") is True:
+        out["use_cache"] = False
+        changed.append("use_cache")
+    for key in _CACHE_KWARGS:
+        if out.get(key) is not None:
+            out[key] = None
+            changed.append(key)
+    new_args = tuple(None if is_hf_cache(a) else a for a in args)
+    if any(a is not b for a, b in zip(args, new_args, strict=True)):
+        changed.append("cache argument")
+    return new_args, out, changed
+
+
+def hf_checkpointing_active(model: nn.Module) -> bool:
+    """Whether Hugging Face's ``gradient_checkpointing_enable()`` is on for ``model``."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(type(model), attr, None)
+        if isinstance(value, property):
+            return bool(getattr(model, attr))
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """Classes in ``model`` that Hugging Face checkpoints itself (``GradientCheckpointingLayer``)."""
+    return {type(m) for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")}

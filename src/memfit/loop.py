@@ -1,0 +1,189 @@
+"""Your own training loop with a plan: ``memfit.prepare`` once, ``memfit.train_step`` per step.
+
+``prepare(model, optimizer, plan)`` applies everything the plan decides that lives in the
+model or the optimizer (today: each block's checkpointing) and sets up the precision the
+plan runs in (autocast, and for fp16 the loss scaler, which must live across steps).
+``train_step(model, batch, loss_fn, optimizer, plan)`` then runs one step exactly as
+planned: the batch split into ``plan.micro_batches`` micro-batches under autocast with
+gradient accumulation (the effective batch is unchanged), scaled backward, clipping when
+asked, the optimizer step through the scaler, and gradients zeroed. :class:`memfit.Trainer`
+runs the same two calls.
+
+Trade-off: the step owns ``zero_grad`` and ``optimizer.step()``, so a loop that needs to
+act between backward and the optimizer step (gradient surgery, custom clipping) uses
+:func:`memfit.step.training_step` with its ``after_backward`` hook instead.
+
+Example:
+    >>> import torch, memfit
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> torch.manual_seed(0) and None
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    >>> plan = memfit.Plan(blocks={"blocks.0": "full", "blocks.1": "none"}, micro_batches=2)
+    >>> model, opt = memfit.prepare(model, opt, plan)
+    >>> x = torch.randint(0, 256, (4, 16))
+    >>> losses = [memfit.train_step(model, (x, x), gpt_loss, opt, plan) for _ in range(3)]
+    >>> losses[-1] < losses[0]
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from memfit.apply import apply, check_plan_fits
+from memfit.checkpointing import checkpointed_blocks
+from memfit.errors import ConfigError
+from memfit.precision import Precision
+from memfit.records import Plan
+from memfit.segments import applied_segments
+from memfit.step import Batch, LossFn, StepResult, training_step
+from memfit.train.distributed import unwrap
+from memfit.vocab import normalize_modes
+
+__all__ = ["Prepared", "planned_step", "prepare", "prepared", "train_step"]
+
+
+@dataclass
+class Prepared:
+    """What :func:`prepare` set up for one optimizer: the plan and the precision it runs in."""
+
+    plan: Plan
+    precision: Precision
+    """Its autocast context and loss scaler (``.scaler.state_dict()`` to save it)."""
+    model: weakref.ref[nn.Module]
+
+
+# NOTE: keyed by the optimizer (weakly): the scaler's state must live from step to step,
+# and the optimizer is the one object a loop passes to every step that is its own.
+_PREPARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Prepared] = weakref.WeakKeyDictionary()
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _planned_modes(plan: Plan) -> dict[str, str]:
+    return {n: m for n, m in normalize_modes(plan.blocks).items() if m != "none"}
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    *,
+    precision: Precision | None = None,
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Make ``model`` and ``optimizer`` run ``plan``; returns them (use what it returns).
+
+    Applies the plan's per-block checkpointing and segments (unless the model is already
+    checkpointed exactly so, e.g. by :func:`memfit.apply` before a DDP or FSDP2 wrapper) and sets up the
+    plan's precision for :func:`train_step`. Calling it again with another plan replaces
+    the first.
+
+    Args:
+        model: the model the plan was made for (or its DDP / FSDP2 wrapper).
+        optimizer: its optimizer.
+        plan: a :class:`memfit.Plan` (from :func:`memfit.plan` or ``Plan.from_json``).
+        precision: run with this :class:`memfit.Precision` object (its fp32-kept modules,
+            its scaler) instead of a new one; its mode must be the plan's.
+
+    Returns:
+        ``(model, optimizer)``: today the same objects; later levers (an optimizer whose
+        state is kept in lower precision) may return new ones.
+
+    Raises:
+        ConfigError: the plan does not fit the model, or ``precision`` contradicts it.
+    """
+    inner = unwrap(model)
+    check_plan_fits(inner, plan)
+    segments = [list(seg) for seg in plan.segments]
+    if checkpointed_blocks(inner) != _planned_modes(plan) or applied_segments(inner) != segments:
+        apply(inner, plan)
+    if precision is None:
+        precision = Precision(plan.precision, device=_device(model))
+    elif precision.mode != plan.precision:
+        raise ConfigError(
+            f"precision {precision.mode!r} contradicts the plan's {plan.precision!r}; pass one of them."
+        )
+    _PREPARED[optimizer] = Prepared(plan=plan, precision=precision, model=weakref.ref(inner))
+    return model, optimizer
+
+
+def prepared(optimizer: torch.optim.Optimizer) -> Prepared:
+    """What :func:`prepare` set up for ``optimizer``.
+
+    Raises:
+        ConfigError: ``prepare`` was not called with this optimizer.
+    """
+    found = _PREPARED.get(optimizer)
+    if found is None:
+        raise ConfigError(
+            "this optimizer was not prepared: call model, optimizer = memfit.prepare(model, optimizer, plan) "
+            "once before memfit.train_step."
+        )
+    return found
+
+
+def planned_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    *,
+    clip_norm: float | None = None,
+) -> StepResult:
+    """:func:`train_step` with everything the step did (loss, grad norm, scale, skipped)."""
+    state = prepared(optimizer)
+    if state.plan is not plan and state.plan != plan:
+        raise ConfigError(
+            "the plan given to train_step is not the one given to memfit.prepare; call "
+            "memfit.prepare(model, optimizer, plan) again with this plan."
+        )
+    if state.model() is not unwrap(model):
+        raise ConfigError(
+            "train_step got another model than the one prepared with this optimizer; pass the model "
+            "memfit.prepare returned."
+        )
+    if clip_norm is not None and not clip_norm > 0:
+        raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
+    return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)
+
+
+def train_step(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer,
+    plan: Plan,
+    *,
+    clip_norm: float | None = None,
+) -> float:
+    """Run one training step exactly as ``plan`` says and return the batch's mean loss.
+
+    Zeroes the gradients, splits ``batch`` into ``plan.micro_batches`` micro-batches, runs
+    each forward under the plan's autocast and its scaled backward (gradients accumulate,
+    each micro-batch weighted by its share of the batch), clips the gradient norm to
+    ``clip_norm`` when given (after unscaling), and steps the optimizer through the scaler
+    (an fp16 step with an overflow is skipped and the scale lowered).
+
+    Args:
+        model: the model :func:`prepare` returned.
+        batch: a tensor or tuple of tensors whose first dimension is the batch.
+        loss_fn: ``loss_fn(model, batch) -> scalar loss tensor`` (the mean over the batch).
+        optimizer: the optimizer :func:`prepare` returned.
+        plan: the plan given to :func:`prepare`.
+        clip_norm: clip the gradient norm to this; None: no clipping.
+
+    Returns:
+        The loss of the whole batch as a float (the micro-batches' losses, weighted).
+
+    Raises:
+        ConfigError: ``prepare`` was not called for this optimizer, or with another plan.
+    """
+    return planned_step(model, batch, loss_fn, optimizer, plan, clip_norm=clip_norm).loss

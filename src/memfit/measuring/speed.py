@@ -1,0 +1,119 @@
+"""What a FLOP, a byte, an op and a checkpoint call cost on this device: short micro-benchmarks.
+
+The step time model (:mod:`memfit.stepmodel.time`) counts a block's work (FLOPs, bytes
+written, ops dispatched) and needs the price of each: :func:`measure_speed` times a
+matmul, an elementwise add, a run of tiny ops, and a tiny module through memfit's own
+checkpointing (full and selective), each a few times, keeping the fastest (the least
+disturbed by other work on a shared machine). It takes tens of milliseconds.
+
+Trade-off: a micro-benchmark's matmul is not the model's matmul (shapes, cache reuse);
+the model's own timed steps rescale the whole forward (``Speed.forward_scale``), so only
+the ratios between the prices matter, and those are what a device's balance sets.
+
+Example:
+    >>> import torch
+    >>> from memfit.precision import Precision
+    >>> sp = measure_speed(torch.device("cpu"), Precision("fp32"), repeats=1)
+    >>> sp.flop_seconds > 0 and sp.byte_seconds > 0 and sp.op_seconds > 0
+    True
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memfit.checkpointing import set_block_modes
+from memfit.precision import Precision
+from memfit.records import Speed
+
+__all__ = ["measure_speed"]
+
+#: Tiny ops in the selective-checkpointing micro-benchmark.
+_OPS = 24
+
+
+def _best(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Fastest of ``repeats`` timed runs after one warm-up."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class _Tiny(nn.Module):
+    """A chain of ``ops`` elementwise ops with one parameter: dispatch-bound by design."""
+
+    def __init__(self, ops: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(8))
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x * self.w
+        for _ in range(self.ops - 1):
+            h = h + 1.0
+        return h
+
+
+def _step(model: nn.Module, x: torch.Tensor, calls: int) -> Callable[[], None]:
+    def run() -> None:
+        for _ in range(calls):
+            model(x).sum().backward()
+
+    return run
+
+
+def measure_speed(device: torch.device, precision: Precision, repeats: int = 3) -> Speed:
+    """Micro-benchmark this device at ``precision``; returns the prices (``forward_scale`` 1).
+
+    Args:
+        device: where the model runs.
+        precision: matmuls run under its autocast (bf16/fp16 matmuls are faster on GPUs).
+        repeats: timed runs per benchmark; the fastest counts.
+    """
+    gpu = device.type == "cuda"
+    n = 4096 if gpu else 256
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    with precision.autocast():
+        matmul = _best(lambda: a @ b, device, repeats)
+    flop_seconds = matmul / (2 * n**3)
+    big = torch.randn((1 << 26) if gpu else (1 << 20), device=device)
+    add = _best(lambda: big + big, device, repeats)
+    byte_seconds = add / (big.numel() * big.element_size())
+    one = torch.ones(1, device=device)
+    tiny = 64
+    ops = _best(lambda: [one + 1.0 for _ in range(tiny)], device, repeats)
+    op_seconds = ops / tiny
+    x = torch.ones(8, device=device, requires_grad=True)
+    calls = 8
+    plain = nn.Sequential(_Tiny(1)).to(device)
+    t_plain = _best(_step(plain, x, calls), device, repeats)
+    full = set_block_modes(nn.Sequential(_Tiny(1)).to(device), {"0": "full"})
+    t_full = _best(_step(full, x, calls), device, repeats)
+    checkpoint_seconds = max(0.0, (t_full - t_plain) / calls - op_seconds)
+    many_full = set_block_modes(nn.Sequential(_Tiny(_OPS)).to(device), {"0": "full"})
+    many_sel = set_block_modes(nn.Sequential(_Tiny(_OPS)).to(device), {"0": "selective"})
+    t_many_full = _best(_step(many_full, x, 2), device, repeats)
+    t_many_sel = _best(_step(many_sel, x, 2), device, repeats)
+    # NOTE: both recompute the same ops (none is a matmul); the difference is the selective
+    # dispatch mode's time, paid per op in the forward and again in the recompute.
+    selective_op_seconds = max(0.0, (t_many_sel - t_many_full) / 2 / (2 * _OPS))
+    return Speed(
+        flop_seconds=flop_seconds,
+        byte_seconds=byte_seconds,
+        op_seconds=op_seconds,
+        checkpoint_seconds=checkpoint_seconds,
+        selective_op_seconds=selective_op_seconds,
+    )

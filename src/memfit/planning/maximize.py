@@ -1,0 +1,273 @@
+"""``memfit.plan``: the fastest plan for a batch, or (``maximize="batch_size"``) the largest batch.
+
+``plan(..., maximize="batch_size")`` searches the batch size at the given sequence length
+(every dimension but the first is kept) for the largest batch that one plan fits into the
+budget computed at once, without splitting it into micro-batches (with gradient
+accumulation any batch "fits", one sample at a time). Each probe profiles the model at that
+batch and asks the exact solver (:mod:`memfit.planning.solver`) whether some per-block
+checkpointing fits at some allowed precision; the first guess comes from two profiles
+extrapolated linearly (activations grow with the batch, parameters and optimizer state do
+not), so a search takes a handful of profiles. The answer is then planned by
+:func:`memfit.planning.planner.plan`, measured, and returned with ``Plan.batch_size``.
+
+Trade-off: every probe runs real steps at its batch (profiling measures each mode), so
+probing costs a few seconds each and, on a device whose memory is near the budget, a probe
+that does not fit may run out of memory: that counts as not fitting.
+
+Example:
+    >>> import torch
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> p = plan(model, (x, x), gpt_loss, "1MiB", precision="fp32", maximize="batch_size")
+    >>> p.batch_size > 2 and p.micro_batches == 1 and p.measured_peak_bytes <= p.budget_bytes
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.budget import Budget, format_bytes
+from memfit.errors import ConfigError, InfeasibleBudget
+from memfit.measuring.memory import measure
+from memfit.measuring.profile import profile
+from memfit.planning import planner
+from memfit.planning.solver import minimum_peak, solve
+from memfit.records import Plan, Profile
+from memfit.step import Batch, LossFn, batch_size
+
+__all__ = ["MAXIMIZE", "largest_batch", "plan", "resize_batch"]
+
+#: What ``maximize=`` can ask for.
+MAXIMIZE = ("batch_size",)
+#: The largest batch a search considers.
+_LIMIT = 1 << 20
+
+
+def resize_batch(batch: Batch, n: int) -> Batch:
+    """``batch`` with ``n`` rows (its rows repeated or cut); every other dimension is kept."""
+    tensors = [batch] if isinstance(batch, torch.Tensor) else list(batch)
+    rows = int(tensors[0].shape[0])
+    index = torch.arange(n, device=tensors[0].device) % rows
+    out = [t[index] for t in tensors]
+    return out[0] if isinstance(batch, torch.Tensor) else type(batch)(out)
+
+
+def _lerp(a: Any, b: Any, t: float) -> Any:
+    """``a + t * (b - a)`` over a profile's JSON tree (bytes rounded up; text kept)."""
+    if isinstance(a, bool | str) or a is None:
+        return a
+    if isinstance(a, int) and isinstance(b, int):
+        return max(0, math.ceil(a + t * (b - a)))
+    if isinstance(a, float) and isinstance(b, int | float):
+        return max(0.0, a + t * (b - a))
+    if isinstance(a, dict):
+        return {k: _lerp(v, b.get(k, v), t) for k, v in a.items()}
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [_lerp(x, y, t) for x, y in zip(a, b, strict=True)]
+    return a
+
+
+def _extrapolated(small: Profile, large: Profile, n: int) -> Profile:
+    t = (n - small.batch_size) / (large.batch_size - small.batch_size)
+    out = Profile.from_dict(_lerp(small.to_dict(), large.to_dict(), t))
+    out.batch_size = n
+    return out
+
+
+def _fits(profiles: Mapping[str, Profile], budget: int) -> bool:
+    return any(solve(p, budget, 1) is not None for p in profiles.values())
+
+
+def _guess(small: Mapping[str, Profile], large: Mapping[str, Profile], budget: int, lo: int) -> int:
+    """The largest batch two profiles, extrapolated linearly, predict to fit (cheap solves only)."""
+
+    def fits(n: int) -> bool:
+        return _fits({k: _extrapolated(small[k], large[k], n) for k in small}, budget)
+
+    hi = max(lo + 1, 2)
+    while hi < _LIMIT and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def largest_batch(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    budget: int | str | Budget,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | Sequence[str] = "auto",
+    *,
+    check: bool = True,
+) -> Plan:
+    """The plan for the largest batch (at ``batch``'s other dimensions) computed at once within ``budget``.
+
+    A percentage budget is taken of the fp32 no-checkpointing peak at ``batch``'s own size.
+    Returns a :class:`Plan` with ``batch_size`` set and ``micro_batches == 1``; its notes
+    say what the next batch size would need.
+
+    Raises:
+        InfeasibleBudget: not even a batch of one fits.
+    """
+    spec = Budget.parse(budget)
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    wanted = planner.candidate_precisions(precision, device)
+    cache: dict[int, dict[str, Profile]] = {}
+
+    def profiles_at(n: int) -> dict[str, Profile]:
+        if n not in cache:
+            sized = resize_batch(batch, n)
+            cache[n] = {p: profile(model, sized, loss_fn, optimizer, p, repeats=1) for p in wanted}
+        return cache[n]
+
+    given = batch_size(batch)
+    baseline = 0
+    if spec.is_fraction:
+        base = profiles_at(given).get("fp32")
+        baseline = base.measured_peak_bytes if base else measure(model, batch, loss_fn, optimizer).peak_bytes
+    budget_bytes = spec.resolve(baseline)
+    verdicts: dict[int, bool] = {}
+
+    def fits(n: int) -> bool:
+        if n not in verdicts:
+            try:
+                verdicts[n] = _fits(profiles_at(n), budget_bytes)
+            except torch.OutOfMemoryError:
+                verdicts[n] = False
+        return verdicts[n]
+
+    order: list[int] = []
+    if fits(given):
+        lo, hi = (2 * given, _LIMIT) if fits(2 * given) else (given, 2 * given)
+        if 2 * given in cache:
+            guess = _guess(profiles_at(given), profiles_at(2 * given), budget_bytes, lo)
+            order = [guess, guess + 1]
+    else:
+        lo, hi = 0, given
+    lo, hi = _bracket(fits, lo, hi, order)
+    while True:
+        if lo < 1:
+            _refuse(profiles_at(1), budget_bytes)
+        result = _plan_at(model, batch, loss_fn, budget_bytes, optimizer, wanted, lo, check)
+        if result is not None:
+            break
+        # NOTE: predicted to fit but measured over (or only with micro-batches): go lower.
+        lo, hi = _bracket(fits, 0, lo, [lo - 1])
+    result.batch_size = lo
+    if hi in cache:
+        least = min(minimum_peak(p, 1).peak_bytes for p in profiles_at(hi).values())
+        why = (
+            f"needs at least {format_bytes(least)} (predicted)"
+            if least > budget_bytes
+            else "was measured over the budget"
+        )
+        result.notes.append(f"largest batch computed at once: {lo}; a batch of {hi} {why}")
+    return result
+
+
+def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) -> tuple[int, int]:
+    """Narrow ``lo`` (fits) .. ``hi`` (does not) to neighbours, probing ``order`` first, then halves."""
+    for n in order:
+        if lo < n < hi:
+            lo, hi = (n, hi) if fits(n) else (lo, n)
+    while hi == _LIMIT and lo < _LIMIT:  # no upper bound yet: double
+        nxt = min(2 * lo, _LIMIT)
+        if nxt == _LIMIT or not fits(nxt):
+            hi = nxt
+        else:
+            lo = nxt
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, hi
+
+
+def _plan_at(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    budget_bytes: int,
+    optimizer: torch.optim.Optimizer | None,
+    wanted: list[str],
+    n: int,
+    check: bool,
+) -> Plan | None:
+    """The planner's plan at batch ``n``, or None if it needs micro-batches once measured.
+
+    # NOTE: the probes' profiles time one step per mode (their bytes are exact, their times
+    # noisy); the answer is profiled again with the usual repeats, so that the planner
+    # chooses between fitting plans by steadier times.
+    """
+    try:
+        sized = resize_batch(batch, n)
+        result = planner.plan(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
+    except (InfeasibleBudget, torch.OutOfMemoryError):
+        return None
+    return result if result.micro_batches == 1 else None
+
+
+def _refuse(profiles: Mapping[str, Profile], budget_bytes: int) -> None:
+    least = min(minimum_peak(p, 1).peak_bytes for p in profiles.values())
+    raise InfeasibleBudget(
+        f"not even a batch of one fits the budget of {format_bytes(budget_bytes)}: its smallest "
+        f"predicted peak is {format_bytes(least)}; raise the budget or shorten the sequence.",
+        minimum_bytes=least,
+        budget_bytes=budget_bytes,
+    )
+
+
+def plan(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    budget: int | str | Budget,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | Sequence[str] = "auto",
+    *,
+    check: bool = True,
+    profiles: Mapping[str, Profile] | None = None,
+    maximize: str | None = None,
+) -> Plan:
+    """The fastest plan whose step peak fits ``budget``; or the largest batch that fits.
+
+    Args:
+        model: the model (its current checkpointing is put back afterwards).
+        batch: a representative batch (its size is the batch a training step uses).
+        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
+        budget: int bytes, ``"6GiB"``, ``"500MB"`` or ``"60%"`` of the fp32 no-checkpointing peak.
+        optimizer: the optimizer training will use (its state and step count).
+        precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
+        check: measure the chosen plan and re-plan under a tighter budget if it is over.
+        profiles: already-measured profiles per precision (skips profiling; not with maximize).
+        maximize: ``"batch_size"``: find the largest batch at ``batch``'s sequence length
+            that one plan fits without micro-batches (:func:`largest_batch`).
+
+    Returns:
+        A :class:`memfit.Plan` (``plan.batch_size``: the batch it was made for);
+        ``memfit.apply(model, plan)`` or ``memfit.prepare`` applies it.
+
+    Raises:
+        InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
+        ConfigError: the budget cannot be read, or ``maximize`` is unknown.
+    """
+    if maximize is None:
+        result = planner.plan(
+            model, batch, loss_fn, budget, optimizer, precision, check=check, profiles=profiles
+        )
+        result.batch_size = batch_size(batch)
+        return result
+    if maximize not in MAXIMIZE:
+        raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
+    if profiles is not None:
+        raise ConfigError("maximize='batch_size' profiles each batch size itself; do not pass profiles.")
+    return largest_batch(model, batch, loss_fn, budget, optimizer, precision, check=check)

@@ -1,0 +1,315 @@
+"""The step's memory as events: what is held at each moment, linear in the plan's options.
+
+A :class:`memfit.Profile` holds per-block numbers each measured with every block in one
+mode; a plan mixes modes and segments (:mod:`memfit.stepmodel.options`). :func:`events`
+walks the step (the outside's forward before the blocks, each block's forward, the head
+and loss, their backward, each block's backward in reverse order with a segment's
+recompute before its last block's, the outside's backward after the blocks, the optimizer
+step) and writes, at each moment, the bytes held by role (parameters, gradients, optimizer
+state, activations, temporaries) as a constant plus one term per option. The peak is the
+largest event; the solver constrains exactly these expressions.
+
+Trade-off: it is a model of the step, not a replay: blocks are additive (a block's kept
+bytes do not depend on its neighbours' choices), exact for chains of blocks and close
+where tensors are held across blocks (U-Net skips); :func:`memfit.plan` measures the plan
+it returns to catch the rest. A segment's numbers are derived from its blocks' ``none``
+and ``full`` numbers (the tests compare them with measured peaks).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from memfit.records import BREAKDOWN_KEYS, BlockStats, Profile
+from memfit.stepmodel.options import Option, Segments, block_options, micro_batch_scale, tiling
+
+__all__ = ["Event", "Simulation", "events", "simulate"]
+
+#: Bytes per role (:data:`memfit.records.BREAKDOWN_KEYS`); roles not named hold nothing.
+Parts = Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class Event:
+    """One moment of the step: ``fixed`` bytes plus, per option chosen, the bytes it adds then.
+
+    Both are split by role; options absent from ``options`` add nothing. :attr:`const` and
+    :attr:`coef` are the same numbers summed over roles: the linear expression the solver
+    constrains.
+    """
+
+    label: str
+    fixed: Parts
+    """Bytes held at this moment whatever the plan, by role."""
+    options: Mapping[Option, Parts] = field(default_factory=dict)
+    """Option -> bytes by role that it adds at this moment."""
+
+    @property
+    def const(self) -> int:
+        """``fixed`` summed over roles."""
+        return sum(self.fixed.values())
+
+    @functools.cached_property
+    def coef(self) -> dict[Option, int]:
+        """Option -> bytes (summed over roles)."""
+        return {o: sum(parts.values()) for o, parts in self.options.items()}
+
+    def parts(self, chosen: Iterable[Option]) -> dict[str, int]:
+        """Bytes held at this event by role, for the chosen options."""
+        out = {k: int(self.fixed.get(k, 0)) for k in BREAKDOWN_KEYS}
+        for o in chosen:
+            for role, n in self.options.get(o, {}).items():
+                out[role] += n
+        return out
+
+    def value(self, chosen: Iterable[Option]) -> int:
+        """Bytes held at this event for the chosen options."""
+        coef = self.coef
+        return self.const + sum(coef.get(o, 0) for o in chosen)
+
+
+@dataclass
+class Simulation:
+    """A predicted step: its peak, where it happens, its split by role, and every event's bytes."""
+
+    peak_bytes: int
+    peak_event: str
+    timeline: list[tuple[str, int]]
+    fixed_bytes: int
+    """Parameters + gradients + optimizer state + optimizer temporaries: no plan removes these."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """The peak split into :data:`memfit.records.BREAKDOWN_KEYS`; adds up to ``peak_bytes``."""
+
+
+def _scaled(value: int, s: float, unscaled: int = 0) -> int:
+    """``value`` at micro-batch scale ``s``, of which ``unscaled`` bytes do not shrink."""
+    keep = max(0, min(unscaled, value))
+    return round(s * (value - keep)) + keep
+
+
+def _grad(block: BlockStats) -> int:
+    return block.grad_bytes or block.param_bytes
+
+
+class _Blocks:
+    """Per-block numbers at one micro-batch scale, and each option's bytes at each moment."""
+
+    def __init__(self, profile: Profile, s: float) -> None:
+        self.n = len(profile.blocks)
+        pairs = [(b, block_options(b)) for b in profile.blocks]
+        self.saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in pairs]
+        # NOTE: during the forward a block holds its saved bytes plus what only the forward's
+        # end frees (autocast's cached weight casts): ``held``; the backward sees ``saved``.
+        self.held = [{m: round(s * b.held_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
+        # NOTE: FSDP2's gathered parameters (``*_fixed_bytes``) do not shrink with micro-batches.
+        self.fwd = [
+            {m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes) for m in o}
+            for b, o in pairs
+        ]
+        self.bwd = [
+            {m: _scaled(b.backward_peak_bytes[m], s, _grad(b) + b.backward_fixed_bytes) for m in o}
+            for b, o in pairs
+        ]
+        self.out = [round(s * b.output_bytes) for b in profile.blocks]
+        # recomputed activations of blocks i..k-1 inside a segment: prefix[k] - prefix[i]
+        self.prefix = [0]
+        for k in range(self.n):
+            self.prefix.append(self.prefix[-1] + self.saved[k].get("none", 0))
+
+    def _call(self, i: int) -> int:
+        """What a segment's one checkpoint call keeps besides its output (RNG state)."""
+        return max(0, self.saved[i]["full"] - self.out[i])
+
+    def _cache(self, k: int) -> int:
+        return max(0, self.held[k]["full"] - self.saved[k]["full"])
+
+    def _kept(self, o: Option) -> int:
+        if not o.segment:
+            return self.saved[o.first][o.mode]
+        return self._call(o.first) + self.out[o.last]
+
+    def _held(self, o: Option) -> int:
+        if not o.segment:
+            return self.held[o.first][o.mode]
+        return self._kept(o) + sum(self._cache(k) for k in range(o.first, o.last + 1))
+
+    def forward(self, o: Option, t: int) -> Parts:
+        """While block t's forward runs."""
+        i, j = o.first, o.last
+        if t < i:
+            return {}
+        if t > j:
+            return {"activations": self._held(o)}
+        if not o.segment:
+            return {"temporaries": self.fwd[t][o.mode]}
+        if t == i:
+            return {"temporaries": self.fwd[i]["full"]}
+        done = self._call(i) + sum(self._cache(k) for k in range(i, t))
+        # the input of block t (block t-1's output) is alive but kept by no one yet
+        return {"activations": done, "temporaries": self.out[t - 1] + self.fwd[t]["full"]}
+
+    def after_forward(self, o: Option, backward: bool) -> Parts:
+        """At the head and loss: the forward's holdings, or (backward) what is kept."""
+        return {"activations": self._kept(o) if backward else self._held(o)}
+
+    def backward(self, o: Option, t: int, recompute: bool) -> Parts:
+        """While block t's backward runs (``recompute``: just before, a segment recomputing)."""
+        i, j = o.first, o.last
+        if t < i:
+            return {}
+        if t > j:
+            return {"activations": self._kept(o)}
+        if not o.segment:
+            extra = {} if recompute else {"temporaries": self.bwd[t][o.mode]}
+            return {"activations": self.saved[t][o.mode], **extra}
+        call = self._call(i)
+        if recompute and t == j:
+            # every block of the segment is recomputed now; the segment's output gradient waits
+            rec = max(self.prefix[k] - self.prefix[i] + self.fwd[k]["none"] for k in range(i, j + 1))
+            return {"activations": call, "temporaries": self.out[j] + rec}
+        acts = call + self.prefix[t + 1] - self.prefix[i]
+        return (
+            {"activations": acts} if recompute else {"activations": acts, "temporaries": self.bwd[t]["none"]}
+        )
+
+
+def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] | None = None) -> list[Event]:
+    """The step's memory events for ``micro_batches`` micro-batches, as linear expressions.
+
+    Args:
+        profile: measured per-block costs at one precision.
+        micro_batches: the batch is split into this many parts with gradient accumulation;
+            activations and transients scale with the (largest) part; gradients, the batch
+            itself (split into views, its storage stays whole) and parameter-gradient
+            temporaries do not.
+        options: the options to write terms for (default: every per-block mode and every
+            segment, :func:`memfit.stepmodel.options.all_options`).
+
+    Returns:
+        Events in step order: the first micro-batch's (gradients still building up), then,
+        when there are more, a later micro-batch's (all gradients already held), then the
+        optimizer step.
+    """
+    from memfit.stepmodel.options import all_options
+
+    opts = list(all_options(profile) if options is None else options)
+    s = micro_batch_scale(profile.batch_size, micro_batches)
+    blk = _Blocks(profile, s)
+    out = profile.outside
+    state = {"params": profile.param_bytes, "optimizer": profile.optimizer_bytes}
+    # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
+    # step; MemTracker then counts their whole storage, for the rest of the step.
+    whole = profile.input_bytes if micro_batches > 1 else 0
+    before = _scaled(profile.outside_before_bytes, s)
+    kept_before = _scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s)
+    early = profile.early_grad_bytes
+    block_grads = sum(_grad(b) for b in profile.blocks)
+    outside_grads = max(0, profile.grad_bytes - block_grads)
+    # NOTE: the outside's numbers were measured with every block in one mode; they barely
+    # depend on it (the tests find them equal), and the largest keeps mixed plans safe.
+    out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
+    out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
+    stem_fwd = _scaled(profile.outside_before_forward_peak_bytes, s)
+    stem_bwd = _scaled(max(0, profile.outside_before_backward_peak_bytes - outside_grads), s)
+    segments = any(o.segment for o in opts)
+
+    def ev(label: str, fixed: Parts, term: object) -> Event:
+        per = {o: p for o in opts if (p := term(o))}  # type: ignore[operator]
+        return Event(label, fixed, per)
+
+    result: list[Event] = []
+    phases = (
+        [("", False)]
+        if micro_batches == 1
+        else [("first micro-batch: ", False), ("later micro-batch: ", True)]
+    )
+    for prefix, later in phases:
+        start = {**state, "grads": profile.grad_bytes if later else 0}
+        if stem_fwd:
+            result.append(
+                Event(
+                    f"{prefix}forward outside before the blocks",
+                    {**start, "activations": whole, "temporaries": stem_fwd},
+                )
+            )
+        for t, block in enumerate(profile.blocks):
+            fixed = {**start, "activations": whole + before}
+            result.append(ev(f"{prefix}forward of {block.name}", fixed, lambda o, t=t: blk.forward(o, t)))
+        fixed = {**start, "activations": whole, "temporaries": out_fwd}
+        result.append(
+            ev(
+                f"{prefix}forward outside the blocks (head, loss)",
+                fixed,
+                lambda o: blk.after_forward(o, False),
+            )
+        )
+        fixed = {**start, "activations": whole, "temporaries": out_bwd}
+        result.append(
+            ev(
+                f"{prefix}backward outside the blocks (loss, head)",
+                fixed,
+                lambda o: blk.after_forward(o, True),
+            )
+        )
+        grads = profile.grad_bytes if later else early
+        for t in reversed(range(blk.n)):
+            block = profile.blocks[t]
+            fixed = {**state, "grads": grads, "activations": whole + kept_before}
+            if segments:
+                label = f"{prefix}recompute before the backward of {block.name}"
+                result.append(ev(label, fixed, lambda o, t=t: blk.backward(o, t, True)))
+            result.append(
+                ev(f"{prefix}backward of {block.name}", fixed, lambda o, t=t: blk.backward(o, t, False))
+            )
+            if not later:
+                grads += _grad(block)
+        if stem_bwd:
+            fixed = {
+                **state,
+                "grads": block_grads + (outside_grads if later else early),
+                "activations": whole,
+                "temporaries": stem_bwd,
+            }
+            result.append(Event(f"{prefix}backward outside before the blocks", fixed))
+    last = {**state, "grads": profile.grad_bytes, "activations": whole}
+    result.append(Event("optimizer step", {**last, "temporaries": profile.optimizer_temp_bytes}))
+    return result
+
+
+def simulate(
+    profile: Profile,
+    modes: str | Mapping[str, str] | Sequence[str],
+    micro_batches: int = 1,
+    segments: Segments = (),
+) -> Simulation:
+    """Predict the step's peak bytes, and its split by role, for the given plan.
+
+    Args:
+        profile: measured (or estimated) per-block costs at the precision the plan uses.
+        modes: one mode for every block, ``{block name: mode}`` or a list in block order;
+            modes are ``none``, ``selective`` or ``full`` (``keep`` reads as ``none``).
+        micro_batches: number of gradient-accumulation micro-batches.
+        segments: runs of consecutive blocks checkpointed as one (block names, or
+            ``(first, last)`` indices); their blocks' modes are not read.
+
+    Returns:
+        A :class:`Simulation` with the peak, the event where it happens, the breakdown at
+        the peak and the timeline.
+    """
+    chosen = tiling(profile, modes, segments)
+    evs = events(profile, micro_batches, chosen)
+    return simulate_options(profile, chosen, micro_batches, evs)
+
+
+def simulate_options(
+    profile: Profile, chosen: Sequence[Option], micro_batches: int = 1, evs: Sequence[Event] | None = None
+) -> Simulation:
+    """:func:`simulate` for a plan given as options (one tiling of the blocks)."""
+    evs = events(profile, micro_batches, chosen) if evs is None else evs
+    timeline = [(e.label, e.value(chosen)) for e in evs]
+    at = max(range(len(evs)), key=lambda k: timeline[k][1])
+    label, peak = timeline[at]
+    fixed = profile.param_bytes + profile.grad_bytes + profile.optimizer_bytes + profile.optimizer_temp_bytes
+    return Simulation(peak, label, timeline, fixed, evs[at].parts(chosen))

@@ -1,0 +1,171 @@
+"""The step's time: what each option costs, from counted work and a few measured speeds.
+
+Timing every block in every mode on a busy machine gives a different plan each run (the
+planner picks whichever option the noise favoured). Here a block's forward is *counted*:
+its FLOPs (FlopCounterMode), the bytes it writes (MemTracker) and the aten ops it
+dispatches, priced by the device's speed at each (micro-benchmarks,
+:class:`memfit.records.Speed`) and scaled once so the model's whole forward and backward
+match those of a few timed steps. Checkpointing a block costs its recompute (its forward
+again; for selective only the ops it does not keep) plus a checkpoint call, and selective
+checkpointing's dispatch mode a fixed time per op; a segment pays one call for all its
+blocks. Counts are exact and the speeds enter only as ratios, so the same model gives the
+same plan run after run.
+
+Trade-off: the model prices work, not kernels: two options within a few percent of each
+other are a tie it cannot break; the solver then takes the one with the lower peak.
+
+Example:
+    >>> from memfit.records import BlockStats, Profile, Speed
+    >>> b = BlockStats("b0", saved_bytes={"none": 8, "full": 1}, backward_peak_bytes={"none": 1, "full": 2},
+    ...                forward_flops=10**9, forward_bytes=0, forward_ops=0)
+    >>> prof = Profile("fp32", "cpu", 1, [b], BlockStats("outside"), 0, 0, 0, 0,
+    ...                speed=Speed(flop_seconds=1e-9, checkpoint_seconds=0.5))
+    >>> fill_times(prof)
+    >>> {m: round(t, 3) for m, t in block_seconds(prof.blocks[0]).items()}
+    {'none': 3.0, 'full': 4.5}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from memfit.records import BlockStats, Profile
+from memfit.stepmodel.options import Option, Segments, block_options, micro_batch_scale, tiling
+
+__all__ = [
+    "block_seconds",
+    "fill_times",
+    "forward_work",
+    "option_seconds",
+    "predict_options_seconds",
+    "predict_step_seconds",
+    "selective_work",
+    "time_note",
+]
+
+
+def forward_work(profile: Profile, block: BlockStats) -> float:
+    """Modelled seconds of ``block``'s forward at the device's raw speeds (before scaling)."""
+    sp = profile.speed
+    if sp is None:
+        return 0.0
+    return (
+        block.forward_flops * sp.flop_seconds
+        + block.forward_bytes * sp.byte_seconds
+        + block.forward_ops * sp.op_seconds
+    )
+
+
+def selective_work(profile: Profile, block: BlockStats) -> float:
+    """Modelled seconds (before scaling) of what selective checkpointing recomputes in ``block``:
+    the FLOPs of the ops it does not keep, the bytes they write, and every op's dispatch."""
+    sp = profile.speed
+    if sp is None:
+        return 0.0
+    sel_bytes = max(0, block.forward_bytes - block.saved_bytes.get("selective", block.forward_bytes))
+    return (
+        block.selective_flops * sp.flop_seconds
+        + sel_bytes * sp.byte_seconds
+        + block.forward_ops * sp.op_seconds
+    )
+
+
+def fill_times(profile: Profile) -> None:
+    """Write each block's (and the outside's) seconds per mode from the profile's time model.
+
+    Needs ``profile.speed``; a profile without one keeps the times it has. Forward and
+    no-checkpointing backward are the block's share of the scaled work; ``full`` adds its
+    forward again and one checkpoint call; ``selective`` adds the ops it recomputes, one
+    call and the selective dispatch time of every op, in the forward and in the recompute.
+    """
+    sp = profile.speed
+    if sp is None:
+        return
+    for block in [*profile.blocks, profile.outside]:
+        work = forward_work(profile, block)
+        block.forward_seconds = sp.forward_scale * work
+        plain = sp.backward_scale * work
+        sel_work = selective_work(profile, block)
+        extra = {
+            "none": 0.0,
+            "full": sp.forward_scale * work + sp.checkpoint_seconds,
+            "selective": sp.forward_scale * sel_work
+            + sp.checkpoint_seconds
+            + 2 * block.forward_ops * sp.selective_op_seconds,
+        }
+        modes = block_options(block) if block is not profile.outside else list(block.saved_bytes)
+        block.backward_seconds = {m: plain + extra[m] for m in modes}
+
+
+def block_seconds(block: BlockStats) -> dict[str, float]:
+    """Forward + backward seconds per mode; a mode costs at least keeping plus its recompute.
+
+    # NOTE: measured times (profiles without a time model, estimates) are noisy, and a
+    # recompute can come out as fast as keeping the activations; FLOPs are exact, so each
+    # mode costs at least the ``none`` time plus its extra FLOPs at the block's forward speed.
+    """
+    options = block_options(block)
+    total = {m: block.forward_seconds + block.backward_seconds.get(m, 0.0) for m in options}
+    if not options:
+        return total
+    floor = total[options[0]]
+    base_flops = block.backward_flops.get(options[0], 0)
+    speed = block.forward_seconds / block.forward_flops if block.forward_flops > 0 else 0.0
+    return {
+        m: max(t, floor + max(0, block.backward_flops.get(m, 0) - base_flops) * speed)
+        for m, t in total.items()
+    }
+
+
+def option_seconds(
+    profile: Profile, option: Option, times: Sequence[Mapping[str, float]] | None = None
+) -> float:
+    """Seconds of one option: its block's time in its mode; a segment, its blocks fully
+    checkpointed less the checkpoint calls it saves (one call instead of one per block)."""
+    per = times if times is not None else [block_seconds(b) for b in profile.blocks]
+    if not option.segment:
+        return per[option.first][option.mode]
+    call = profile.speed.checkpoint_seconds if profile.speed is not None else 0.0
+    total = sum(per[k]["full"] for k in range(option.first, option.last + 1))
+    return total - (option.last - option.first) * call
+
+
+def predict_options_seconds(profile: Profile, chosen: Sequence[Option], micro_batches: int = 1) -> float:
+    """Predicted seconds of one step for a plan given as options (see :func:`predict_step_seconds`)."""
+    s = micro_batch_scale(profile.batch_size, micro_batches) * micro_batches
+    per = [block_seconds(b) for b in profile.blocks]
+    plain = sum(t[block_options(b)[0]] for t, b in zip(per, profile.blocks, strict=True))
+    rest = max(0.0, profile.step_seconds - plain)
+    return rest + s * sum(option_seconds(profile, o, per) for o in chosen)
+
+
+def predict_step_seconds(
+    profile: Profile,
+    modes: str | Mapping[str, str] | Sequence[str],
+    micro_batches: int = 1,
+    segments: Segments = (),
+) -> float:
+    """Predicted seconds of one step: block times per option plus the rest of the step.
+
+    The rest (outside the blocks, the optimizer) is the profile's measured step time less
+    its blocks' no-checkpointing times; micro-batching keeps the total compute (the parts
+    add up to the batch), so only the rounding of uneven parts changes it.
+    """
+    return predict_options_seconds(profile, tiling(profile, modes, segments), micro_batches)
+
+
+def time_note(profile: Profile) -> str:
+    """One sentence: what the profile's step-time model rests on."""
+    sp = profile.speed
+    if sp is None:
+        return "step times are the profile's recorded block times (no time model)."
+    return (
+        f"step time model ({profile.precision}): each block's forward counted as FlopCounterMode FLOPs "
+        f"at {sp.flop_seconds * 1e12:.3g} s/TFLOP, bytes written (MemTracker) at "
+        f"{sp.byte_seconds * 1e9:.3g} s/GB and aten ops at {sp.op_seconds * 1e6:.3g} us each "
+        f"(micro-benchmarks on {profile.device}), scaled x{sp.forward_scale:.3g} (forward) and "
+        f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps; a checkpoint call "
+        f"{sp.checkpoint_seconds * 1e6:.3g} us, selective checkpointing "
+        f"{sp.selective_op_seconds * 1e6:.3g} us per op"
+        + (f" (fitted to {sp.selective_steps} timed selective steps)." if sp.selective_steps else ".")
+    )

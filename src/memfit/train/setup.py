@@ -1,0 +1,212 @@
+"""Building a run from its config: checks first, then data, model, optimizer, plan and Trainer.
+
+:func:`check_run` refuses everything that can be refused without building the model (the
+output directory, an existing run, the device, ``checkpointing = "auto"`` without what it
+needs), so nothing is written and no time is spent before a bad config is named.
+:func:`build_run` then seeds the random generators and builds, in order, the data, the
+model and its optimizer, the checkpointing (or the plan, for ``"auto"``) and the Trainer.
+
+Trade-off: ``checkpointing = "auto"`` profiles the model before training (seconds); the
+profiles are kept, so a step that later runs out of memory is re-planned without profiling.
+
+Example:
+    >>> import tempfile
+    >>> from memfit.config import load_config
+    >>> cfg = load_config(None, ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+    ...     "model.block_size=8", "train.device='cpu'", f"train.out='{tempfile.mkdtemp()}'"])
+    >>> check_run(cfg, resume=None, overwrite=False).type
+    'cpu'
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from memfit.apply import apply
+from memfit.budget import Budget, format_bytes
+from memfit.check.guards import GuardConfig
+from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
+from memfit.config import Config
+from memfit.devices import resolve_device
+from memfit.errors import ConfigError
+from memfit.outputs import check_output_dir
+from memfit.planning.planner import plan
+from memfit.precision import Precision
+from memfit.records import Plan, Profile
+from memfit.report.table import mode_counts
+from memfit.train.build import ModelSpec, build_model
+from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
+from memfit.train.dist_plan import plan_for_ranks
+from memfit.train.distributed import DistContext, wrap_model
+from memfit.train.oom import OomConfig
+from memfit.train.schedule import lr_schedule
+from memfit.train.trainer import Trainer
+
+__all__ = ["BuiltRun", "build_run", "check_run"]
+
+
+def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
+    """Refuse what can be refused before anything is built or written; returns the device.
+
+    Raises:
+        ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
+            (without ``resume`` or ``overwrite``); the device is not here; or
+            ``checkpointing = "auto"`` lacks a budget.
+    """
+    out = check_output_dir(cfg.train.out, "train.out")
+    if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
+        raise ConfigError(
+            'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
+        )
+    if resume is None and not overwrite and any((out / n).exists() for n in ("state.pt", "metrics.jsonl")):
+        raise ConfigError(
+            f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
+            "--overwrite, or set train.out to another directory."
+        )
+    return resolve_device(cfg.train.device)
+
+
+@dataclass
+class BuiltRun:
+    """What :func:`build_run` made, and how to describe it."""
+
+    trainer: Trainer
+    spec: ModelSpec
+    sampler: Any
+    val_batches: list[Any]
+    data_text: str
+    checkpointing_text: str
+    budget: int | None
+    """``memory.budget`` in bytes, once known (a percentage is resolved by the planner)."""
+    n_params: int
+    model_name: str
+    plan: Plan | None = None
+    profiles: dict[str, Profile] = field(default_factory=dict)
+
+
+def _data(cfg: Config, spec: ModelSpec) -> tuple[Any, list[Any], str]:
+    bs, seed = cfg.train.batch_size, cfg.train.seed
+    if spec.seq_len is None:
+        if spec.make_batch is None:
+            raise ConfigError("the model factory's ModelSpec has neither seq_len nor make_batch; set one.")
+        val = SyntheticBatches(spec.make_batch, bs, seed + 1)
+        batches = [val.batch_at(i) for i in range(cfg.train.eval_batches)]
+        return SyntheticBatches(spec.make_batch, bs, seed), batches, "the model's own make_batch"
+    corpus = ByteCorpus.load(cfg.data.path, cfg.data.val_fraction, cfg.data.max_bytes)
+    sampler = BatchSampler(corpus.train, bs, spec.seq_len, seed)
+    val_sampler = BatchSampler(corpus.val, bs, spec.seq_len, seed + 1)
+    val_batches = [val_sampler.batch_at(i) for i in range(cfg.train.eval_batches)]
+    size = len(corpus.train) + len(corpus.val)
+    return sampler, val_batches, f"{corpus.source} ({format_bytes(size)}, byte-level)"
+
+
+def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        model.parameters(),
+        lr=cfg.optimizer.lr,
+        betas=(cfg.optimizer.betas[0], cfg.optimizer.betas[1]),
+        eps=cfg.optimizer.eps,
+        weight_decay=cfg.optimizer.weight_decay,
+    )
+
+
+def _describe_plan(chosen: Plan) -> str:
+    counts = mode_counts(chosen.blocks.values())
+    modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
+    return (
+        f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
+        f"predicted peak {format_bytes(chosen.predicted_peak_bytes)})"
+    )
+
+
+def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
+    if mode == "none":
+        return "none"
+    if mode.startswith("every:"):
+        every = int(mode.split(":")[1])
+        checkpoint(model, mode="full", every=every)
+        return f"full on every {every} blocks ({', '.join(checkpointed_blocks(model))})"
+    checkpoint(model, mode=mode)
+    return mode
+
+
+def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress: bool | None) -> BuiltRun:
+    """Seed, then build data, model, optimizer, checkpointing (or plan) and the Trainer.
+
+    Raises:
+        MemfitError: a bad data path, model factory, or a budget nothing fits (one sentence).
+    """
+    budget_text = cfg.memory.budget
+    # NOTE: a percentage is of the fp32 no-checkpointing peak: the planner measures it.
+    budget = Budget.parse(budget_text, what="memory.budget").bytes if budget_text else None
+    precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
+    torch.manual_seed(cfg.train.seed)
+    random.seed(cfg.train.seed)
+    np.random.seed(cfg.train.seed)
+    spec = build_model(cfg.model)
+    sampler, val_batches, data_text = _data(cfg, spec)
+    model = spec.model.to(device)
+    opt = _optimizer(model, cfg)
+    chosen: Plan | None = None
+    profiles: dict[str, Profile] = {}
+    if cfg.memory.checkpointing == "auto" and dist_ctx.active:
+        # NOTE: planned on rank 0 for one rank's memory; every rank gets the same plan.
+        chosen = plan_for_ranks(
+            model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision, dist_ctx
+        )
+    elif cfg.memory.checkpointing == "auto":
+        chosen = plan(
+            model,
+            sampler.batch_at(0),
+            spec.loss_fn,
+            budget_text,
+            opt,
+            cfg.memory.precision,
+            profiles=profiles,
+        )
+    if chosen is not None:
+        apply(model, chosen)
+        budget = chosen.budget_bytes
+        precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
+        ckpt_text = _describe_plan(chosen)
+    else:
+        ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
+    n_params = sum(p.numel() for p in model.parameters())
+    model_name = type(model).__name__
+    if dist_ctx.active:
+        # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
+        # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
+        model = wrap_model(model, dist_ctx, find_blocks(model))
+        opt = _optimizer(model, cfg)
+    trainer = Trainer(
+        model,
+        opt,
+        spec.loss_fn,
+        precision,
+        chosen,
+        micro_batches=chosen.micro_batches if chosen else cfg.train.grad_accum,
+        clip_norm=cfg.optimizer.clip_norm or None,
+        scheduler=lr_schedule(opt, cfg.train.steps, cfg.optimizer.warmup_steps, cfg.optimizer.schedule),
+        progress=progress,
+        dist=dist_ctx,
+        guard=GuardConfig(on_overflow=cfg.memory.on_overflow),
+        oom=OomConfig(profiles=profiles),
+    )
+    return BuiltRun(
+        trainer=trainer,
+        spec=spec,
+        sampler=sampler,
+        val_batches=val_batches,
+        data_text=data_text,
+        checkpointing_text=ckpt_text,
+        budget=budget,
+        n_params=n_params,
+        model_name=model_name,
+        plan=chosen,
+        profiles=profiles,
+    )

@@ -1,0 +1,27 @@
+"""The README's blocks that need the extras (transformers, lightning, accelerate) run as pasted."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from readme_blocks import python_blocks, run_block
+
+EXTRAS = [pytest.param(ln, code, id=f"line{ln}") for ln, mark, code in python_blocks() if mark == "extras"]
+_NEEDS = ("transformers", "lightning", "accelerate")
+
+
+@pytest.mark.parametrize(("line", "code"), EXTRAS)
+def test_readme_extras_block_runs_as_pasted(
+    line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for package in _NEEDS:
+        if f"import {package}" in code or f"from {package}" in code:
+            pytest.importorskip(package, reason=f"{package} is not installed")
+    monkeypatch.chdir(tmp_path)
+    run_block(line, code)

@@ -1,0 +1,55 @@
+"""The third-party zoo: models from transformers, torchvision and timm, small, with their defaults.
+
+The entries live in :mod:`zoo_hf` and :mod:`zoo_vision`; :data:`ZOO` lists them all.
+
+Each :class:`Entry` builds one architecture from its library (random weights, no download)
+with a small configuration and every other setting at its default (Hugging Face decoders
+keep ``use_cache=True``, vision models keep their in-place activations), the loss it trains
+with (Hugging Face: ``labels=``), a small batch for numerics and a larger one for planning
+(where activations dominate the step), and the blocks a person would checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any
+
+
+@dataclass
+class Entry:
+    name: str
+    """``library/model``: the test id."""
+    build: Callable[[], nn.Module]
+    loss: Callable[[nn.Module, Batch], torch.Tensor]
+    batch: Callable[[int], Batch]
+    """Batch of a given size (the first dimension)."""
+    blocks: list[str]
+    """The blocks a person would checkpoint, in module order."""
+    small: int = 2
+    """Batch size for the numerics checks."""
+    large: int = 16
+    """Batch size for the plan check (activations dominate the step)."""
+    covers: str = ""
+    """What the model adds to the zoo (decoder with cache, encoder-decoder, ...)."""
+
+
+def generator(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def layers(prefix: str, n: int = 2) -> list[str]:
+    """``prefix.0 ... prefix.{n-1}``."""
+    return [f"{prefix}.{i}" for i in range(n)]
+
+
+def all_entries() -> list[Entry]:
+    from zoo_hf import HF
+    from zoo_vision import VISION
+
+    return HF + VISION
