@@ -27,6 +27,7 @@ from torch import nn
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
+from memfit.records import Plan
 from memfit.stepmodel import simulate
 from memfit.train.gpt import gpt_loss
 
@@ -43,9 +44,9 @@ Case = tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], Any]
 CASES: dict[str, Case] = {
     "gpt": (lambda: tiny_gpt(n_layer=3), gpt_loss, token_batch()),
     "cnn_batchnorm": (lambda: _seeded(SmallCNN, n_blocks=3), cnn_loss, image_batch()),
-    "mlp_dropout": (lambda: _seeded(DropoutMLP, n_blocks=3), mse_loss, vector_batch()),
+    "mlp_dropout": (lambda: _seeded(DropoutMLP, n_blocks=3), mse_loss, vector_batch(batch=256)),
 }
-VARIANTS = ["full", "selective", "every2", "planned"]
+VARIANTS = ["full", "selective", "every2", "segment", "planned"]
 
 
 def _seeded(cls: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
@@ -99,14 +100,20 @@ def _checkpointed(case: str, variant: str) -> nn.Module:
     make, loss_fn, batch = CASES[case]
     model = make()
     if variant == "planned":
-        # planned in eager mode on a copy (profiling runs steps), halfway between checkpointing
-        # everything and nothing, so the plan mixes modes; then applied to the model
+        # planned in eager mode on a copy (profiling runs steps), a quarter of the way from
+        # checkpointing everything to nothing, so the plan checkpoints; then applied to the model
         prof = memfit.profile(copy.deepcopy(model), batch, loss_fn, repeats=1)
-        budget = (simulate(prof, "full").peak_bytes + simulate(prof, "none").peak_bytes) // 2
+        full, none = simulate(prof, "full").peak_bytes, simulate(prof, "none").peak_bytes
+        budget = full + (none - full) // 4
         plan = memfit.plan(
             model, batch, loss_fn, budget, precision="fp32", check=False, profiles={"fp32": prof}
         )
         memfit.apply(model, plan)
+    elif variant == "segment":
+        # the first two blocks as one checkpoint_sequential-style segment, the last selective
+        names = memfit.find_blocks(model)
+        blocks = {n: "full" for n in names[:2]} | {n: "selective" for n in names[2:]}
+        memfit.apply(model, Plan(blocks=blocks, segments=[names[:2]]))
     else:
         memfit.checkpoint(model, mode="selective" if variant == "selective" else "full")
         if variant == "every2":
@@ -114,9 +121,16 @@ def _checkpointed(case: str, variant: str) -> nn.Module:
     return model
 
 
+#: Models whose blocks form a plain chain (each block's input is the previous one's output),
+#: the models a segment applies to; the MLP's blocks are residual branches.
+CHAINS = {"gpt", "cnn_batchnorm"}
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_checkpointing_equals_compiled_plain(case: str, variant: str) -> None:
+    if variant == "segment" and case not in CHAINS:
+        pytest.skip("a segment needs blocks that form a chain")
     ref = _reference(case)
     model = _checkpointed(case, variant)
     keys = set(CASES[case][0]().state_dict())
