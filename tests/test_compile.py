@@ -8,7 +8,7 @@ BatchNorm statistics advance once per step, and state_dict keys do not change.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,7 +31,7 @@ from memfit.records import Plan
 from memfit.stepmodel import simulate
 from memfit.train.gpt import gpt_loss
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_compile_thread")]
 
 # NOTE: the plain and the checkpointed model are different graphs to inductor, which may
 # fuse (and so round) a reduction differently in the recompute; equality is to float32
@@ -40,10 +40,34 @@ COMPILED_TOL = {"rtol": 1e-5, "atol": 1e-6}
 #: Steps per run: BatchNorm's num_batches_tracked must read exactly this afterwards.
 STEPS = 2
 
+
+class InplaceBlock(nn.Module):
+    """conv -> BatchNorm -> in-place ReLU (on an output selective keeps) -> conv, residual,
+    with an in-place ReLU on the branch's output: what torchvision and timm blocks do."""
+
+    def __init__(self, ch: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(ch, ch, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(ch)
+        self.act = nn.ReLU(inplace=True)
+        self.proj = nn.Conv2d(ch, ch, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(self.act(self.bn(self.conv(x)))).relu_()
+
+
+class InplaceCNN(SmallCNN):
+    """SmallCNN with in-place blocks."""
+
+    def __init__(self, ch: int = 8, n_blocks: int = 3) -> None:
+        super().__init__(ch=ch, n_blocks=n_blocks)
+        self.blocks = nn.Sequential(*[InplaceBlock(ch) for _ in range(n_blocks)])
+
+
 Case = tuple[Callable[[], nn.Module], Callable[..., torch.Tensor], Any]
 CASES: dict[str, Case] = {
     "gpt": (lambda: tiny_gpt(n_layer=3), gpt_loss, token_batch()),
-    "cnn_batchnorm": (lambda: _seeded(SmallCNN, n_blocks=3), cnn_loss, image_batch()),
+    "cnn_batchnorm_inplace": (lambda: _seeded(InplaceCNN, n_blocks=3), cnn_loss, image_batch()),
     "mlp_dropout": (lambda: _seeded(DropoutMLP, n_blocks=3), mse_loss, vector_batch(batch=256)),
 }
 VARIANTS = ["full", "selective", "every2", "segment", "planned"]
@@ -55,18 +79,6 @@ def _seeded(cls: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
 
 
 Run = list[tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_compile_thread() -> Iterator[None]:
-    # NOTE: on a 2-core machine inductor's pool of compile workers costs more than it saves.
-    import torch._inductor.config as inductor_config
-
-    before = inductor_config.compile_threads
-    inductor_config.compile_threads = 1
-    yield
-    inductor_config.compile_threads = before
-    torch._dynamo.reset()
 
 
 def _train(model: nn.Module, loss_fn: Callable[..., torch.Tensor], batch: Any) -> Run:
@@ -123,7 +135,7 @@ def _checkpointed(case: str, variant: str) -> nn.Module:
 
 #: Models whose blocks form a plain chain (each block's input is the previous one's output),
 #: the models a segment applies to; the MLP's blocks are residual branches.
-CHAINS = {"gpt", "cnn_batchnorm"}
+CHAINS = {"gpt", "cnn_batchnorm_inplace"}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

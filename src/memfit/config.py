@@ -124,6 +124,8 @@ class TrainConfig:
     """``"auto"``, ``"cpu"`` or ``"cuda"``/``"cuda:N"``."""
     distributed: str = "none"
     """Under torchrun: ``"ddp"`` or ``"fsdp2"`` (``"none"``: one process)."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` once the plan is applied (plans are made eagerly)."""
 
 
 @dataclass(kw_only=True)
