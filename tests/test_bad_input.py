@@ -260,3 +260,16 @@ def test_resume_says_what_changed_and_keeps_the_saved_config_without_a_file(
     assert "repeat an earlier --set to keep it" in err
     report = (out / "report.md").read_text()
     assert "memory.checkpointing is 'full' now" in report and "learning rate" in report
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.kwargs=5", "model.kwargs.preset='7b'"], "model.kwargs is a int, not a table"),
+        (["model.kwargs.=3"], "must name an argument"),
+    ],
+)
+def test_model_kwargs_overrides_that_cannot_be_applied(overrides: list[str], words: str) -> None:
+    # NOTE: found by tests/test_fuzz.py (a TypeError escaped before).
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
