@@ -7,10 +7,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.devices import resolve_device
+from memfit.train.distributed import end_worker_process
 from memfit.train.resume import resolve_resume
 from memfit.train.run import INTERRUPTED, train_from_config
 from memfit.train.setup import check_run
@@ -67,4 +69,7 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         overrides=list(args.overrides) if args.resume and args.config is None else None,
     )
-    return 130 if result.trainer.stop_reason == INTERRUPTED else 0
+    code = 130 if result.trainer.stop_reason == INTERRUPTED else 0
+    if result.trainer.dist.active and "TORCHELASTIC_RUN_ID" in os.environ:
+        end_worker_process(code)  # a torchrun worker: see its NOTE
+    return code
