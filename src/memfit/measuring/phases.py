@@ -175,7 +175,9 @@ def phased_step(
         marks["backward_end"] = tracker.total()
         tracker.enter_phase("optimizer")
 
-    with tracker:
+    # NOTE: torch.compile (torchao's optimizer step) cannot run under the tracker's dispatch
+    # mode: compiled code runs eagerly while tracked (its temporaries an upper bound).
+    with torch.compiler.set_stance("force_eager"), tracker:
         start, start_parts = tracker.total(), tracker.current_parts()
         tracker.enter_phase("forward")
         training_step(
