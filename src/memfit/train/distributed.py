@@ -36,6 +36,7 @@ __all__ = [
     "global_mean",
     "init_distributed",
     "local_batch",
+    "shutdown_distributed",
     "unwrap",
     "wrap_model",
 ]
@@ -51,6 +52,8 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    owns_group: bool = False
+    """This run created the process group, so it destroys it when it ends."""
 
     @property
     def is_main(self) -> bool:
@@ -89,10 +92,26 @@ def init_distributed(mode: str, device: torch.device) -> tuple[DistContext, torc
     if device.type == "cuda":
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()
+    if owns:
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    ctx = DistContext(mode, dist.get_rank(), dist.get_world_size(), local)
+    ctx = DistContext(mode, dist.get_rank(), dist.get_world_size(), local, owns_group=owns)
     return ctx, device
+
+
+def shutdown_distributed(ctx: DistContext, finished: bool) -> None:
+    """Leave the process group the run created: every rank waits for the others, then it is destroyed.
+
+    # NOTE: a process that exits with its gloo group alive can abort in the group's
+    # destructor ("terminate called without an active exception") while another rank still
+    # writes; waiting at a barrier and destroying the group first makes the exit orderly. After
+    # a failure there is no barrier: the other ranks may never reach it.
+    """
+    if not (ctx.owns_group and dist.is_initialized()):
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def local_batch(batch: Batch, ctx: DistContext) -> Batch:

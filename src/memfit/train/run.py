@@ -32,13 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from memfit.config import Config
 from memfit.errors import StateError
 from memfit.records import StepMetrics
 from memfit.report.plots import training_plots
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.dist_plan import rank_notes
-from memfit.train.distributed import init_distributed
+from memfit.train.distributed import DistContext, init_distributed, shutdown_distributed
 from memfit.train.resume import Resumed, print_notes, resolve_resume, resume_run
 from memfit.train.run_report import (
     BudgetWatch,
@@ -126,6 +128,25 @@ def train_from_config(
     # NOTE: every rank checks the files above before joining the process group, so no rank
     # can have written anything yet.
     dist_ctx, device = init_distributed(cfg.train.distributed, device)
+    finished = False
+    try:
+        run = _train_joined(cfg, resumed, out, device, dist_ctx, progress, echo)
+        finished = True
+        return run
+    finally:
+        shutdown_distributed(dist_ctx, finished)
+
+
+def _train_joined(
+    cfg: Config,
+    resumed: Resumed | None,
+    out: Path,
+    device: torch.device,
+    dist_ctx: DistContext,
+    progress: bool | None,
+    echo: Callable[[str], None],
+) -> TrainRun:
+    """The run once this process has joined its process group (if any): build, fit, report."""
     if not dist_ctx.is_main:
         echo, progress = (lambda _line: None), False
     built = build_run(cfg, device, dist_ctx, progress)
