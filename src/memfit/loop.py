@@ -159,7 +159,8 @@ def planned_step(
     if clip_norm is not None and fused_step_of(optimizer) is not None and "selective" in plan.blocks.values():
         raise LeverRefused(
             "fused_step with clipping runs the backward twice (norms first, then the step), which "
-            "selective checkpointing allows once; use full checkpointing there, no clipping, or no fused_step.",
+            "selective checkpointing allows once; use full checkpointing there, no clipping, or no "
+            "fused_step.",
             "fused_step",
         )
     return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)

@@ -29,12 +29,14 @@ from memfit.errors import ConfigError
 __all__ = [
     "CHECKPOINT_MODES",
     "LEVERS",
-    "LeverName",
     "MIXED_PRECISIONS",
     "PRECISIONS",
     "PRECISION_CHOICES",
+    "WEIGHTS",
+    "WeightsName",
     "STRATEGY_ORDER",
     "CheckpointMode",
+    "LeverName",
     "PrecisionChoice",
     "PrecisionName",
     "normalize_mode",
@@ -60,6 +62,9 @@ CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
 #: without an fp32 master copy, activations offloaded to host memory (CUDA only).
 LeverName = Literal["fused_step", "state_bf16", "state_8bit", "state_4bit", "weights_bf16", "offload"]
 LEVERS: tuple[LeverName, ...] = typing.get_args(LeverName)
+#: The dtypes floating weights are trained in: fp32 (as built), bf16 (the weights_bf16 lever).
+WeightsName = Literal["fp32", "bf16"]
+WEIGHTS: tuple[WeightsName, ...] = typing.get_args(WeightsName)
 
 #: Strategies from fastest-looking to slowest-looking: lower precision first (tensor-core
 #: matmuls are 2-16x faster than fp32 on GPUs; bf16 needs no loss scaling), then less recompute.

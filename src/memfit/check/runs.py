@@ -36,8 +36,9 @@ from tqdm import tqdm
 from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
 from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
+from memfit.levers.apply import apply_levers
 from memfit.precision import Precision
-from memfit.records import ModuleRange, NonFinite, RunCurve
+from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
 
 __all__ = ["CheckRunner", "OptimizerFn", "RunResult", "finite", "flat_params"]
@@ -139,13 +140,17 @@ class CheckRunner:
         blocks: dict[str, str] | None = None,
         micro_batches: int = 1,
         skip: frozenset[int] = frozenset(),
+        levers: Sequence[str] = (),
     ) -> RunResult:
-        """One training run; ``skip`` names steps that update nothing (an fp16 run's skipped steps)."""
+        """One training run; ``skip`` names steps that update nothing (an fp16 run's skipped steps);
+        ``levers`` (:mod:`memfit.levers`) are applied to its model and optimizer."""
         model = self.build()
         if blocks:
             set_block_modes(model, blocks)
         precision = Precision(mode, device=self.device)
         optimizer = self.optimizer_fn(model.parameters())
+        if levers:
+            optimizer = apply_levers(model, optimizer, Plan(blocks={}, precision=mode, levers=list(levers)))
         curve = RunCurve(name=name, precision=mode)
         first: NonFinite | None = None
         torch.manual_seed(run_seed)

@@ -37,11 +37,12 @@ import torch
 from memfit.errors import LeverRefused
 from memfit.levers.spec import ADAM_LIKE, torchao_available
 from memfit.stepmodel.levers import state_bytes
+from memfit.vocab import WEIGHTS
 
 __all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer", "state_bytes"]
 
 #: State kinds: fp32 (unchanged), bf16, 8bit, 4bit.
-KINDS = ("fp32", "bf16", "8bit", "4bit")
+KINDS = (*WEIGHTS, "8bit", "4bit")
 _BLOCK = ("8bit", "4bit")
 #: torch.optim flags torchao's optimizers do not take (memfit drops the speed-only ones).
 _DROPPED = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay")
@@ -71,8 +72,10 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
 
         def _new_buffer(self: Any, p: torch.Tensor, signed: bool) -> torch.Tensor:
             # bf16 or fp32 moments whatever the weights' dtype (torchao's _AdamW follows the weights)
-            if self.memfit_state in ("fp32", "bf16"):
-                return torch.zeros_like(p, dtype=torch.float32 if self.memfit_state == "fp32" else torch.bfloat16)
+            if self.memfit_state in WEIGHTS:  # moments kept as floats
+                return torch.zeros_like(
+                    p, dtype=torch.float32 if self.memfit_state == "fp32" else torch.bfloat16
+                )
             return base._new_buffer(self, p, signed)
 
         return type(name, (base,), {"step": step, "_new_buffer": _new_buffer, "__module__": __name__})
@@ -96,7 +99,9 @@ def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
     return bool(optimizer.defaults.get("decoupled_weight_decay", False))
 
 
-def lever_optimizer(optimizer: torch.optim.Optimizer, kind: str, *, weights_bf16: bool) -> torch.optim.Optimizer:
+def lever_optimizer(
+    optimizer: torch.optim.Optimizer, kind: str, *, weights_bf16: bool
+) -> torch.optim.Optimizer:
     """A torchao AdamW over the same parameters, param groups and hyper-parameters as ``optimizer``.
 
     Args:
@@ -111,7 +116,9 @@ def lever_optimizer(optimizer: torch.optim.Optimizer, kind: str, *, weights_bf16
     family = _family(optimizer)
     lever = "weights_bf16" if kind == "fp32" else f"state_{kind}"
     if not torchao_available():
-        raise LeverRefused(f"{lever} needs torchao (pip install torchao); install it or leave {lever} out.", lever)
+        raise LeverRefused(
+            f"{lever} needs torchao (pip install torchao); install it or leave {lever} out.", lever
+        )
     if family not in ADAM_LIKE:
         raise LeverRefused(f"{lever} needs torch.optim.Adam or AdamW; the optimizer is {family}.", lever)
     if len(optimizer.state):

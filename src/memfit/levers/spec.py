@@ -48,7 +48,7 @@ def torchao_available() -> bool:
     return importlib.util.find_spec("torchao") is not None
 
 
-def normalize_levers(levers: None | str | Iterable[str]) -> list[str]:
+def normalize_levers(levers: str | Iterable[str] | None) -> list[str]:
     """Lever names in :data:`memfit.vocab.LEVERS` order from None, ``"all"``, ``"a,b"`` or a list.
 
     Raises:
@@ -77,7 +77,8 @@ def state_kind(levers: Sequence[str]) -> str:
     kinds = [STATE_LEVERS[n] for n in levers if n in STATE_LEVERS]
     if len(kinds) > 1:
         raise ConfigError(
-            f"levers {[n for n in levers if n in STATE_LEVERS]} each set the optimizer state's precision; keep one."
+            f"levers {[n for n in levers if n in STATE_LEVERS]} each set the optimizer state's "
+            "precision; keep one."
         )
     return kinds[0] if kinds else "fp32"
 
@@ -97,7 +98,10 @@ def refusal(
             "saves nothing there, so it runs on CUDA only."
         )
     if lever in _TORCHAO and not torchao_available():
-        return f"{lever} needs torchao's low-precision AdamW (pip install torchao); install it or leave {lever} out."
+        return (
+            f"{lever} needs torchao's low-precision AdamW: `pip install torchao` (or memfit[levers]), "
+            f"or leave {lever} out."
+        )
     if lever in _TORCHAO and optimizer_name not in ADAM_LIKE:
         return (
             f"{lever} carries the optimizer over to torchao's AdamW with the same hyper-parameters, which "
@@ -126,7 +130,7 @@ def _name(optimizer: torch.optim.Optimizer | None) -> str:
 
 
 def allowed_levers(
-    levers: None | str | Iterable[str],
+    levers: str | Iterable[str] | None,
     *,
     device: str | torch.device,
     optimizer: torch.optim.Optimizer | None,

@@ -23,7 +23,9 @@ from torch import nn
 __all__ = ["cast_weights", "restore_weights", "weights_dtype"]
 
 
-def cast_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[nn.Parameter, torch.Tensor]]:
+def cast_weights(
+    model: nn.Module, dtype: torch.dtype = torch.bfloat16
+) -> list[tuple[nn.Parameter, torch.Tensor]]:
     """Make every floating parameter of ``model`` ``dtype`` in place; returns what to restore.
 
     Gradients are dropped first (an fp32 gradient cannot accumulate into a bf16 parameter).

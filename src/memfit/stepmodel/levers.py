@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 from memfit.errors import ConfigError
 from memfit.records import Profile
-from memfit.vocab import LEVERS
+from memfit.vocab import LEVERS, WEIGHTS
 
 __all__ = ["state_bytes", "state_kind_of", "temp_key", "with_levers"]
 
@@ -62,7 +62,7 @@ def state_bytes(numel: int, param_bytes: int, kind: str, amsgrad: bool = False) 
         else:
             per = numel * param_bytes
         return 4 + buffers * per
-    if kind not in ("fp32", "bf16"):
+    if kind not in WEIGHTS:
         raise ConfigError(f"unknown optimizer state kind {kind!r}; use fp32, bf16, 8bit or 4bit.")
     return 4 + buffers * numel * (4 if kind == "fp32" else 2)
 
@@ -131,7 +131,8 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
-            part: max((n * wbytes + round(per * n) for n in ns), default=0) for part, ns in facts.params.items()
+            part: max((n * wbytes + round(per * n) for n in ns), default=0)
+            for part, ns in facts.params.items()
         }
     return out
 

@@ -256,7 +256,12 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
         fixed = {**start, "activations": whole, "temporaries": out_bwd}
         if last:  # the head's gradients step as they complete
             held = profile.grad_bytes - early if later else 0
-            fixed = {**start, "grads": held, "activations": whole, "temporaries": out_bwd - early + step.get("", 0)}
+            fixed = {
+                **start,
+                "grads": held,
+                "activations": whole,
+                "temporaries": out_bwd - early + step.get("", 0),
+            }
         result.append(
             ev(
                 f"{prefix}backward outside the blocks (loss, head)",
