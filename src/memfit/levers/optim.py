@@ -78,7 +78,18 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
                 )
             return base._new_buffer(self, p, signed)
 
-        return type(name, (base,), {"step": step, "_new_buffer": _new_buffer, "__module__": __name__})
+        def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+            # NOTE: torch.optim casts loaded floating state to the parameter's dtype; moments
+            # kept in bf16 go back to bf16 so a resumed run computes as the saved one did.
+            base.load_state_dict(self, state_dict)
+            if self.memfit_state == "bf16":
+                for per in self.state.values():
+                    for key, value in per.items():
+                        if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                            per[key] = value.to(torch.bfloat16)
+
+        methods = {"step": step, "_new_buffer": _new_buffer, "load_state_dict": load_state_dict}
+        return type(name, (base,), {**methods, "__module__": __name__})
 
     return {
         ("8bit", True): make(AdamW8bit, "MemfitAdamW8bit"),

@@ -229,7 +229,7 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
     # micro-batch's backward frees each gradient as it completes: its own phase.
     fused = "fused_step" in profile.levers
     if fused:
-        phases = phases[:-1] if micro_batches == 2 else phases
+        phases = phases[:-1] if micro_batches <= 2 else phases
         phases.append(("last micro-batch: " if micro_batches > 1 else "", micro_batches > 1))
     step = profile.lever_step_bytes
     for k, (prefix, later) in enumerate(phases):
