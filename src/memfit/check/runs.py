@@ -36,7 +36,7 @@ from tqdm import tqdm
 from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
 from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
-from memfit.levers.apply import apply_levers
+from memfit.levers.apply import apply_levers, remove_levers
 from memfit.precision import Precision
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
@@ -188,6 +188,10 @@ class CheckRunner:
                     self.bar.update(len(order) - step)
                     break  # without a scaler the weights are now lost; more steps add nothing
         curve.seconds = time.perf_counter() - start
+        if "weights_bf16" in levers:
+            # NOTE: judged in fp32 like every run: the bf16 weights upcast (exactly) first.
+            remove_levers(model, optimizer)
+            model.float()
         curve.eval_loss = self.evaluate(model, eval_batches)
         modules: list[ModuleRange] = []
         scale = float(precision.scaler.get_scale()) if precision.scaler.is_enabled() else 1.0

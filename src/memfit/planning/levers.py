@@ -38,7 +38,7 @@ from memfit.stepmodel import simulate
 from memfit.stepmodel.levers import with_levers
 from memfit.vocab import LEVERS
 
-__all__ = ["lever_profiles", "lever_sets", "levers_applied", "plan_with_levers", "resolve_levers", "savings"]
+__all__ = ["lever_profiles", "lever_sets", "levers_applied", "plan_with_levers", "replan_without", "resolve_levers", "savings"]
 
 #: Numeric risk of each state kind (none first).
 _STATE_RISK = {None: 0, "state_bf16": 1, "state_8bit": 2, "state_4bit": 3}
@@ -138,6 +138,29 @@ def plan_with_levers(
         minimum_bytes=smallest.minimum_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def replan_without(
+    profiles: Mapping[str, Profile],
+    budget_bytes: int,
+    baseline: tuple[int, float],
+    allowed: Sequence[str],
+    failed: Mapping[str, str],
+) -> tuple[Plan, dict[str, Profile]]:
+    """:func:`plan_with_levers` once verification refused ``failed`` (``{lever: why}``).
+
+    Raises:
+        LeverRefused: no plan fits without the refused levers (the message says why each failed).
+    """
+    try:
+        return plan_with_levers(profiles, budget_bytes, baseline, allowed)
+    except InfeasibleBudget:
+        lever, why = next(iter(failed.items()))
+        raise LeverRefused(
+            f"{lever} is refused on this model: {why}; no plan fits {format_bytes(budget_bytes)} without it, "
+            "so raise the budget or fix what the check found.",
+            lever,
+        ) from None
 
 
 @contextlib.contextmanager

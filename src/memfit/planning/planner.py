@@ -49,7 +49,7 @@ from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
-from memfit.planning.levers import levers_applied, plan_with_levers, resolve_levers
+from memfit.planning.levers import levers_applied, plan_with_levers, replan_without, resolve_levers
 from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
@@ -304,7 +304,7 @@ def plan(
                 failed = failing_levers(model, batch, loss_fn, optimizer, result, planner.measured)
                 allowed = [n for n in allowed if n not in failed]
                 refused.update(failed)
-                result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+                result, used = replan_without(profs, planner.budget_bytes, planner.baseline, allowed, failed)
             if check:
                 result = planner.check(used, result)
         result.budget_bytes = planner.budget_bytes
