@@ -40,7 +40,9 @@ def _batches(n: int, batch: int = 4, seq: int = 16) -> list[tuple[torch.Tensor, 
 @pytest.mark.parametrize("micro_batches", [1, 2])
 @pytest.mark.parametrize("clip_norm", [None, 0.05])
 @pytest.mark.parametrize("checkpointing", ["none", "full"])
-def test_fused_step_gives_the_unfused_weights(micro_batches: int, clip_norm: float | None, checkpointing: str) -> None:
+def test_fused_step_gives_the_unfused_weights(
+    micro_batches: int, clip_norm: float | None, checkpointing: str
+) -> None:
     """10 steps of AdamW stepped inside the backward == stepped after it (fp32, rtol 1e-6)."""
     runs = []
     for fused in (False, True):
@@ -90,7 +92,9 @@ def test_prepare_returns_a_new_optimizer_with_the_same_groups_and_hyper_paramete
     )
     _, same = memfit.prepare(model, opt, Plan(blocks={}, levers=["fused_step"]))
     assert same is opt
-    _, new = memfit.prepare(model, torch.optim.AdamW(model.parameters()), Plan(blocks={}, levers=["state_8bit"]))
+    _, new = memfit.prepare(
+        model, torch.optim.AdamW(model.parameters()), Plan(blocks={}, levers=["state_8bit"])
+    )
     assert new is not opt and type(new).__name__ == "MemfitAdamW8bit"
     plan = Plan(blocks={}, levers=["state_bf16"])
     _, new = memfit.prepare(model, opt, plan)
@@ -98,7 +102,11 @@ def test_prepare_returns_a_new_optimizer_with_the_same_groups_and_hyper_paramete
     for g_new, g_old in zip(new.param_groups, opt.param_groups, strict=True):
         assert g_new["params"] == g_old["params"]
         assert g_new["weight_decay"] == g_old["weight_decay"]
-        assert float(g_new["lr"]) == pytest.approx(3e-3) and tuple(g_new["betas"]) == (0.8, 0.95) and g_new["eps"] == 1e-7
+        assert (
+            float(g_new["lr"]) == pytest.approx(3e-3)
+            and tuple(g_new["betas"]) == (0.8, 0.95)
+            and g_new["eps"] == 1e-7
+        )
     x = _batches(1)[0]
     with torch.compiler.set_stance("force_eager"):
         memfit.train_step(model, x, gpt_loss, new, plan)
@@ -116,14 +124,18 @@ def test_levers_are_refused_with_one_sentence(monkeypatch: pytest.MonkeyPatch) -
     with pytest.raises(LeverRefused, match="bf16"):
         apply_levers(model, opt, Plan(blocks={}, precision="fp32", levers=["weights_bf16"]))
     with pytest.raises(LeverRefused, match="SGD"):
-        apply_levers(model, torch.optim.SGD(model.parameters(), lr=0.1), Plan(blocks={}, levers=["state_8bit"]))
+        apply_levers(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), Plan(blocks={}, levers=["state_8bit"])
+        )
     with pytest.raises(ConfigError, match="unknown lever"):
         memfit.plan(model, _batches(1)[0], gpt_loss, "90%", opt, levers=["state_2bit"])
     # NOTE: without torchao the library still imports and plans; the state levers say what to install
     monkeypatch.setattr(lever_spec.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LeverRefused, match="pip install torchao"):
         apply_levers(model, opt, Plan(blocks={}, levers=["state_8bit"]))
-    assert lever_spec.allowed_levers("all", device="cpu", optimizer=opt, precision="fp32")[0] == ["fused_step"]
+    assert lever_spec.allowed_levers("all", device="cpu", optimizer=opt, precision="fp32")[0] == [
+        "fused_step"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -227,6 +239,8 @@ def test_verify_refuses_a_lever_whose_check_fails() -> None:
     levers = ["state_bf16", "weights_bf16"]
     unverified = memfit.plan(model, batch, loss_fn, budget, opt, precision="bf16", levers=levers)
     assert unverified.levers == levers
-    with pytest.raises(LeverRefused, match="weights_bf16 is refused on this model: its check against fp32 failed"):
+    with pytest.raises(
+        LeverRefused, match="weights_bf16 is refused on this model: its check against fp32 failed"
+    ):
         memfit.plan(model, batch, loss_fn, budget, opt, precision="bf16", levers=levers, verify=True)
     assert all(w.dtype == torch.float32 for w in model.ws)  # planning left the model as it was

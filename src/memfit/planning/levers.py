@@ -33,12 +33,21 @@ from memfit.levers.spec import STATE_LEVERS, allowed_levers
 from memfit.levers.weights import cast_weights, restore_weights
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.planning.choose import plan_from_profiles
-from memfit.records import Plan, Profile
+from memfit.records import EstimateEntry, Plan, Profile
 from memfit.stepmodel import simulate
 from memfit.stepmodel.levers import with_levers
 from memfit.vocab import LEVERS
 
-__all__ = ["lever_profiles", "lever_sets", "levers_applied", "plan_with_levers", "replan_without", "resolve_levers", "savings"]
+__all__ = [
+    "lever_profiles",
+    "lever_sets",
+    "levers_applied",
+    "plan_with_levers",
+    "replan_without",
+    "resolve_levers",
+    "savings",
+    "smallest_with_levers",
+]
 
 #: Numeric risk of each state kind (none first).
 _STATE_RISK = {None: 0, "state_bf16": 1, "state_8bit": 2, "state_4bit": 3}
@@ -138,6 +147,24 @@ def plan_with_levers(
         minimum_bytes=smallest.minimum_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def smallest_with_levers(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> EstimateEntry | None:
+    """The smallest predicted step over lever sets, precisions and uniform modes (one micro-batch).
+
+    For ``memfit estimate``: what the levers make possible for a model too large to run.
+    None when no lever set can be predicted (no lever facts, or no lever allowed).
+    """
+    best: EstimateEntry | None = None
+    for levers in lever_sets(allowed):
+        if not levers or any(p.lever_facts is None for p in profiles.values()):
+            continue
+        for precision, prof in lever_profiles(profiles, levers).items():
+            for mode in sorted({m for b in prof.blocks for m in b.saved_bytes} or {"none"}):
+                sim = simulate(prof, mode)
+                if best is None or sim.peak_bytes < best.peak_bytes:
+                    best = EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, levers=list(levers))
+    return best
 
 
 def replan_without(
