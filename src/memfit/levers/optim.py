@@ -24,7 +24,7 @@ Example:
     >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
     ('MemfitAdamW8bit', 0.01)
     >>> state_bytes(65536, 4, "8bit")  # codes + block scales + two 256-entry maps + the step count
-    133636
+    135172
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def _probe_optimizer(
     return lever_optimizer(base, kind, weights_bf16=weights == "bf16")
 
 
-def _adam(defaults: dict[str, object]) -> dict[str, object]:
+def _adam(defaults: dict[str, Any]) -> dict[str, Any]:
     keys = ("lr", "betas", "eps", "weight_decay", "amsgrad")
     return {k: defaults[k] for k in keys if k in defaults}
 

@@ -65,7 +65,7 @@ def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
                 names = {"fused_step"} if f else set()
                 names |= {s} if s else set()
                 names |= {"weights_bf16"} if w else set()
-                sets.append(((2 * _STATE_RISK[s] + 7 * w, f), [n for n in LEVERS if n in names]))
+                sets.append(((2 * _STATE_RISK[s] + 7 * w, f), [str(n) for n in LEVERS if n in names]))
     return [names for _, names in sorted(sets, key=lambda kv: kv[0])]
 
 

@@ -25,7 +25,7 @@ Example:
     ...                lever_facts=facts)
     >>> lev = with_levers(prof, ["fused_step", "state_8bit"])
     >>> lev.optimizer_bytes, lev.lever_step_bytes["b0"]
-    (26648, 98304)
+    (29064, 98304)
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         ConfigError: an unknown lever, a profile without :class:`LeverFacts`, or
             ``weights_bf16`` on a profile not measured in bf16.
     """
-    names = [n for n in LEVERS if n in levers]
+    names: list[str] = [n for n in LEVERS if n in levers]
     unknown = [n for n in levers if n not in LEVERS]
     if unknown:
         raise ConfigError(f"unknown lever {unknown[0]!r}; the levers are {', '.join(LEVERS)}.")
@@ -97,7 +97,7 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
     if facts is None:
         raise ConfigError("this profile has no lever facts (made before levers existed); profile again.")
     out = copy.deepcopy(profile)
-    out.levers = names
+    out.levers = list(names)
     bf16 = "weights_bf16" in names
     weights = "bf16" if bf16 else profile.weights
     if bf16 and profile.precision != "bf16":
