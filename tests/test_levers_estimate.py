@@ -15,7 +15,9 @@ LLAMA += ["--set", "model.kwargs.block_size=2048", "--precision", "bf16", "--lev
 
 
 def _lever_line(capsys: pytest.CaptureFixture[str], preset: str) -> re.Match[str]:
-    assert main(["estimate", *LLAMA, "--set", f"model.kwargs.preset={preset}", "--device-memory", "12GiB"]) == 0
+    assert (
+        main(["estimate", *LLAMA, "--set", f"model.kwargs.preset={preset}", "--device-memory", "12GiB"]) == 0
+    )
     out = capsys.readouterr().out
     found = re.search(
         r"smallest plan with levers ([a-z_0-9, ]+): bf16, full checkpointing, peak ([0-9.]+) GiB "
