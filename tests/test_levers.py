@@ -276,3 +276,26 @@ def test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients() -> None:
     assert peaks["offload"] < 0.8 * peaks["plain"]
     for a, b in zip(grads["offload"], grads["plain"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_memfit_imports_and_refuses_the_state_levers_without_torchao() -> None:
+    """torchao is optional (memfit[levers]): with its import blocked, memfit imports, plans with
+    levers='all' (using what needs no torchao) and refuses a state lever with one sentence."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"
+        "import torch, memfit\n"
+        "from memfit.errors import LeverRefused\n"
+        "from memfit.records import Plan\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "try:\n"
+        "    memfit.prepare(m, torch.optim.AdamW(m.parameters()), Plan(blocks={}, levers=['state_4bit']))\n"
+        "except LeverRefused as e:\n"
+        "    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "state_4bit needs torchao's low-precision AdamW: `pip install torchao`" in out.stdout

@@ -45,7 +45,10 @@ _TORCHAO = (*STATE_LEVERS, "weights_bf16")
 
 def torchao_available() -> bool:
     """Whether torchao (the low-precision AdamW optimizers) can be imported."""
-    return importlib.util.find_spec("torchao") is not None
+    try:
+        return importlib.util.find_spec("torchao") is not None
+    except (ImportError, ValueError, AttributeError):  # NOTE: an import blocked in sys.modules
+        return False
 
 
 def normalize_levers(levers: str | Iterable[str] | None) -> list[str]:
