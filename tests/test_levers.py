@@ -129,6 +129,11 @@ def test_levers_are_refused_with_one_sentence(monkeypatch: pytest.MonkeyPatch) -
         )
     with pytest.raises(ConfigError, match="unknown lever"):
         memfit.plan(model, _batches(1)[0], gpt_loss, "90%", opt, levers=["state_2bit"])
+    two = _gpt(2)
+    memfit.checkpoint(two, mode="selective")
+    fused = apply_levers(two, torch.optim.AdamW(two.parameters()), Plan(blocks={}, levers=["fused_step"]))
+    with pytest.raises(LeverRefused, match="selective checkpointing allows once"):
+        training_step(two, _batches(1)[0], gpt_loss, fused, Precision("fp32"), 1, 1.0)
     # NOTE: without torchao the library still imports and plans; the state levers say what to install
     monkeypatch.setattr(lever_spec.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LeverRefused, match="pip install torchao"):

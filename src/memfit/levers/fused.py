@@ -33,6 +33,8 @@ import weakref
 
 import torch
 
+from memfit.errors import LeverRefused
+
 __all__ = ["FusedStep", "fused_step_of"]
 
 _FUSED: weakref.WeakKeyDictionary[torch.optim.Optimizer, FusedStep] = weakref.WeakKeyDictionary()
@@ -125,7 +127,17 @@ class FusedStep:
                     p.grad = self._earlier.get(id(p))
                 self._earlier, self._norms = {}, {}
             self.mode = "step"
-            loss.backward()
+            try:
+                loss.backward()
+            except RuntimeError as exc:
+                if "backward an extra time" not in str(exc):
+                    raise
+                raise LeverRefused(
+                    "fused_step with clipping runs the backward twice (norms first, then the step), which "
+                    "selective checkpointing allows once; use full checkpointing there, no clipping, or "
+                    "no fused_step.",
+                    "fused_step",
+                ) from None
             self.mode = "off"
             # parameters whose gradient came only from earlier micro-batches step now
             for p in self.params:
