@@ -43,18 +43,18 @@ from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.errors import InfeasibleBudget
-from memfit.measuring.inplace import inplace_parts
 from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.planning.levers import levers_applied, plan_with_levers, replan_without, resolve_levers
+from memfit.planning.notes import complete_profile, plan_notes
 from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, training_step
-from memfit.stepmodel import simulate, time_note
+from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
@@ -296,7 +296,7 @@ def plan(
                 if isinstance(profiles, dict):
                     # NOTE: the caller's cache (a re-plan after running out of memory reuses it);
                     # only profiles with every mode measured can serve a tighter budget later.
-                    profiles.update({p: pr for p, pr in profs.items() if _complete(pr)})
+                    profiles.update({p: pr for p, pr in profs.items() if complete_profile(pr)})
             for prof in profs.values() if allowed else []:
                 attach_lever_facts(prof, model, optimizer, find_blocks(model))
             result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
@@ -308,7 +308,9 @@ def plan(
             if check:
                 result = planner.check(used, result)
         result.budget_bytes = planner.budget_bytes
-        result.notes = _notes(model, result, profs) + [f"lever {n} not used: {w}" for n, w in refused.items()]
+        result.notes = plan_notes(model, result, profs) + [
+            f"lever {n} not used: {w}" for n, w in refused.items()
+        ]
         result.measured = planner.measured
         result.planning_seconds = time.perf_counter() - started
         return result
@@ -316,28 +318,3 @@ def plan(
         uncheckpoint(model)
         if before:
             set_block_modes(model, before)
-
-
-def _complete(profile: Profile) -> bool:
-    """Whether every block was measured in every checkpointing mode."""
-    return all(set(CHECKPOINT_MODES) <= set(b.saved_bytes) for b in profile.blocks)
-
-
-def _notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
-    notes = [
-        time_note(profiles[result.precision]),
-        f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
-        "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
-    ]
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if result.micro_batches > 1 and norms:
-        notes.append(
-            f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
-            f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
-        )
-    # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
-    for note in profiles[result.precision].notes:
-        blocks, modes = inplace_parts(note)
-        if any(result.blocks.get(b) in modes for b in blocks):
-            notes.append(note)
-    return notes
