@@ -16,11 +16,15 @@ Example:
     >>> facts = lever_facts(lin, torch.optim.AdamW(lin.parameters()), [], kinds=["orig"])
     >>> facts.params, facts.optimizer, facts.step_temp_per_element["orig/fp32"] > 0
     ({'': [4096, 64]}, 'AdamW', True)
+    >>> facts.step_seconds_per_element["orig/fp32"] > 0
+    True
 """
 
 from __future__ import annotations
 
 import inspect
+import statistics
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,9 +77,10 @@ def _adam(defaults: dict[str, Any]) -> dict[str, Any]:
 
 def step_temp_per_element(
     optimizer: torch.optim.Optimizer | None, kind: str, weights: str, numel: int = PROBE_NUMEL
-) -> float:
-    """Bytes per element a single parameter's optimizer step holds beyond the parameter,
-    its gradient and its state (measured; ``kind`` ``orig`` is ``optimizer``'s own class)."""
+) -> tuple[float, float]:
+    """Bytes and seconds per element of a single parameter's optimizer step: the bytes it holds
+    beyond the parameter, its gradient and its state, and the median time of 3 steps (both
+    measured eagerly; ``kind`` ``orig`` is ``optimizer``'s own class)."""
     torch.manual_seed(0)
     holder = nn.Module()
     holder.p = nn.Parameter(torch.zeros(numel, dtype=_DTYPES[weights]))
@@ -88,13 +93,18 @@ def step_temp_per_element(
         holder.p.grad = torch.randn_like(holder.p) * 1e-3
         with MemoryWatch(holder, opt) as watch:
             opt.step()
+        times = []
+        for _ in range(3):
+            started = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - started)
     held = sum(watch.breakdown.get(k, 0) for k in ("params", "grads"))
     state = 0
     for per in opt.state.values():
         for v in per.values():
             if isinstance(v, torch.Tensor):
                 state += _nbytes(v)
-    return max(0, watch.peak_bytes - held - state) / numel
+    return max(0, watch.peak_bytes - held - state) / numel, statistics.median(times) / numel
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -136,6 +146,7 @@ def lever_facts(
     other += sum(b.numel() * b.element_size() for b in model.buffers())
     weights = weights_dtype(model)
     temps: dict[str, float] = {}
+    seconds: dict[str, float] = {}
     for kind in kinds:
         if kind != "orig" and (not torchao_available() or _family(optimizer) not in ("Adam", "AdamW")):
             continue
@@ -144,7 +155,7 @@ def lever_facts(
         for w in WEIGHTS:
             if kind == "orig" and w != weights:
                 continue
-            temps[temp_key(kind, w)] = step_temp_per_element(optimizer, kind, w)
+            temps[temp_key(kind, w)], seconds[temp_key(kind, w)] = step_temp_per_element(optimizer, kind, w)
     amsgrad = bool(optimizer is not None and optimizer.defaults.get("amsgrad", False))
     return LeverFacts(
         params=params,
@@ -154,6 +165,7 @@ def lever_facts(
         amsgrad=amsgrad,
         optimizer=_family(optimizer),
         step_temp_per_element=temps,
+        step_seconds_per_element=seconds,
     )
 
 

@@ -40,6 +40,11 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
             f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
             f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
         )
+    if "fused_step" in result.levers:
+        notes.append(
+            "fused_step: with clip_norm the last micro-batch's backward runs twice (norms first, then the "
+            "steps), which the predicted step time does not include; without clipping it adds no work."
+        )
     # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
     for note in profiles[result.precision].notes:
         blocks, modes = inplace_parts(note)

@@ -35,3 +35,6 @@ class LeverFacts(Record):
     """``"<kind>/<weights>"`` (kind ``orig`` for the user's own optimizer, or ``fp32`` / ``bf16`` /
     ``8bit`` / ``4bit``; weights ``fp32`` / ``bf16``) -> temporaries of one parameter's step,
     in bytes per element (measured on a 65,536-element parameter)."""
+    step_seconds_per_element: dict[str, float] = field(default_factory=dict)
+    """Same keys: seconds of one parameter's step per element (median of 3 eager steps; torchao
+    compiles its step in training, so for its kinds an upper bound)."""

@@ -11,6 +11,9 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
   parameter (torchao steps one parameter at a time).
 - ``fused_step``: gradients are freed as they complete; each part's backward holds instead
   its largest parameter's gradient and step temporaries (``Profile.lever_step_bytes``).
+- Time: a state lever's optimizer step costs its measured seconds per element instead of the
+  user's optimizer's (``Profile.step_seconds`` moves by the difference); the fused step adds
+  no work without clipping (with clipping the last backward runs twice: not predicted).
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
   profile (an estimate), parameters and gradients are halved and activations kept, an
   upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
@@ -128,6 +131,12 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.optimizer_temp_bytes = round(per * max(numels, default=0))
         out.optimizer_bytes_by_dtype = {}
+        # NOTE: the step's time: every trained element at the kind's measured cost instead of
+        # the user's optimizer's (both eager; torchao compiles its step: an upper bound).
+        sec = facts.step_seconds_per_element
+        new, old = sec.get(temp_key(kind, weights)), sec.get(temp_key("orig", profile.weights))
+        if new is not None and old is not None and profile.step_seconds > 0:
+            out.step_seconds = max(0.0, profile.step_seconds + (new - old) * sum(numels))
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
