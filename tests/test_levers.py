@@ -304,3 +304,15 @@ def test_memfit_imports_and_refuses_the_state_levers_without_torchao() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert "state_4bit needs torchao's low-precision AdamW: `pip install torchao`" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["plan", "check", "estimate"])
+def test_an_unknown_lever_at_the_cli_is_one_sentence_and_exit_2(
+    command: str, capsys: pytest.CaptureFixture[str], tmp_path
+) -> None:
+    from memfit.cli.main import main
+
+    extra = ["--budget", "50%"] if command == "plan" else []
+    assert main([command, *extra, "--levers", "state_2bit", "--set", f"train.out={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown lever 'state_2bit'" in err and "Traceback" not in err
