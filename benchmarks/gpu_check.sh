@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: the GPU-marked tests, a real CUDA out-of-memory step that must be re-planned and
-# run again, then `memfit bench` on a GPT-2-medium-sized built-in GPT
+# run again, compiled training beside the compiler's own activation_memory_budget, then
+# `memfit bench` on a GPT-2-medium-sized built-in GPT
 # (24 layers, 1024 wide, 16 heads, sequence 1024, ~302M parameters) with fp32, bf16 and fp16
 # on CUDA, peaks from the CUDA allocator's statistics. Sized to finish in under 8 minutes on
 # one NVIDIA H200 (copies not running are parked in host memory: ~55 GiB of host RAM).
@@ -10,10 +11,13 @@
 #         BATCH (default 8), STEPS (default 3), STRATEGIES (default all 15).
 # Budget: GPU tests at most 120 s, the out-of-memory step at most 90 s (expected ~20 s: a GPT of
 #         25M parameters profiled once, then 2 + 3 + 5 training steps), offload at most 60 s
-#         (expected ~10 s: one forward and backward of a 6-layer GPT with and without offload), the bench at most 330 s
+#         (expected ~10 s: one forward and backward of a 6-layer GPT with and without offload), the
+#         compiled comparison at most 150 s (expected ~1-2 min: 8 variants of a 6 x 512 GPT compiled
+#         once each), the bench at most 330 s
 #         (expected ~3-4 min: 15 strategies, each copied to the GPU, warmed up, tracked, then 3
 #         interleaved timed steps).
-# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/offload-cuda.log, OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
+# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/offload-cuda.log, OUT_DIR/compile.md,
+#         OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
 #         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +59,14 @@ timeout 60 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then echo "gpu_check: offload on CUDA failed (exit $rc)"; status=1; fi
 echo "offload on CUDA: $((SECONDS - start)) s"
+
+echo "== compiled: memfit's checkpointing and plan vs activation_memory_budget, CUDA"
+start=$SECONDS
+timeout 150 "$PYTHON" benchmarks/bench_compile.py --device cuda --layers 6 --width 512 --seq 512 \
+  --batch-size 8 --rounds 5 --budget 50% --amb 0.5,0.3,0.1 2>&1 | tee "$OUT/compile.md"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then echo "gpu_check: compiled comparison failed (exit $rc)"; status=1; fi
+echo "compiled comparison: $((SECONDS - start)) s"
 
 echo "== memfit bench, GPT-2-medium size, CUDA"
 start=$SECONDS

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -268,3 +270,15 @@ class ResNetish(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.stages(self.stem(x)).mean(dim=(2, 3)))
+
+
+@pytest.fixture(scope="module")
+def one_compile_thread() -> Iterator[None]:
+    # NOTE: on a 2-core machine inductor's pool of compile workers costs more than it saves.
+    import torch._inductor.config as inductor_config
+
+    before = inductor_config.compile_threads
+    inductor_config.compile_threads = 1
+    yield
+    inductor_config.compile_threads = before
+    torch._dynamo.reset()

@@ -260,3 +260,33 @@ def test_resume_says_what_changed_and_keeps_the_saved_config_without_a_file(
     assert "repeat an earlier --set to keep it" in err
     report = (out / "report.md").read_text()
     assert "memory.checkpointing is 'full' now" in report and "learning rate" in report
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (["model.kwargs=5", "model.kwargs.preset='7b'"], "model.kwargs is a int, not a table"),
+        (["model.kwargs.=3"], "must name an argument"),
+    ],
+)
+def test_model_kwargs_overrides_that_cannot_be_applied(overrides: list[str], words: str) -> None:
+    # NOTE: found by tests/test_fuzz.py (a TypeError escaped before).
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, overrides)
+
+
+def test_out_naming_a_file_memfit_did_not_write_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # NOTE: `memfit plan --out /etc/passwd` run as root replaced the system's user list once.
+    precious = tmp_path / "notes.txt"
+    precious.write_text("root:x:0:0:root:/root:/bin/bash\n", encoding="utf-8")
+    argv = ["plan", "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2"]
+    assert main([*argv, "--set", "model.block_size=16", "--budget", "90%", "--out", str(precious)]) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not a JSON file memfit wrote" in err and err.count("\n") == 1
+    assert precious.read_text(encoding="utf-8") == "root:x:0:0:root:/root:/bin/bash\n"
+    own = tmp_path / "plan.json"
+    own.write_text('{"blocks": {}}', encoding="utf-8")  # an earlier plan is replaced as before
+    assert main([*argv, "--set", "model.block_size=16", "--budget", "90%", "--out", str(own)]) == 0
+    assert json.loads(own.read_text(encoding="utf-8"))["blocks"]

@@ -124,6 +124,8 @@ class TrainConfig:
     """``"auto"``, ``"cpu"`` or ``"cuda"``/``"cuda:N"``."""
     distributed: str = "none"
     """Under torchrun: ``"ddp"`` or ``"fsdp2"`` (``"none"``: one process)."""
+    compile: bool = False
+    """Compile the model with ``torch.compile`` once the plan is applied (plans are made eagerly)."""
 
 
 @dataclass(kw_only=True)
@@ -213,7 +215,15 @@ def _set(tree: dict[str, Any], key: str, value: Any) -> None:
     if not isinstance(tree[section], dict):
         raise ConfigError(f"{section} must be a table, got {tree[section]!r}.")
     if "." in name and section == "model" and name.startswith("kwargs."):
-        tree[section].setdefault("kwargs", {})[name.split(".", 1)[1]] = value
+        kwargs, arg = tree[section].setdefault("kwargs", {}), name.split(".", 1)[1]
+        if not arg:
+            raise ConfigError(f"--set {key}=... must name an argument, e.g. model.kwargs.preset='7b'.")
+        if not isinstance(kwargs, dict):
+            raise ConfigError(
+                f"model.kwargs is a {type(kwargs).__name__}, not a table, so --set {key}=... cannot add "
+                "to it; drop the other model.kwargs setting or make it a table."
+            )
+        kwargs[arg] = value
     else:
         tree[section][name] = value
 

@@ -7,7 +7,8 @@ plan runs in (autocast, and for fp16 the loss scaler, which must live across ste
 planned: the batch split into ``plan.micro_batches`` micro-batches under autocast with
 gradient accumulation (the effective batch is unchanged), scaled backward, clipping when
 asked, the optimizer step through the scaler, and gradients zeroed. :class:`memfit.Trainer`
-runs the same two calls.
+runs the same two calls. ``compile=True`` (to either) compiles the model in place with
+``torch.compile`` after the plan is applied (see :mod:`memfit.compiled`).
 
 Trade-off: the step owns ``zero_grad`` and ``optimizer.step()``, so a loop that needs to
 act between backward and the optimizer step (gradient surgery, custom clipping) uses
@@ -37,6 +38,7 @@ from torch import nn
 
 from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
+from memfit.compiled import compile_in_place
 from memfit.errors import ConfigError, LeverRefused
 from memfit.levers.apply import apply_levers, fused_step_of
 from memfit.precision import Precision
@@ -78,6 +80,7 @@ def prepare(
     plan: Plan,
     *,
     precision: Precision | None = None,
+    compile: bool = False,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` run ``plan``; returns them (use what it returns).
 
@@ -92,6 +95,9 @@ def prepare(
         plan: a :class:`memfit.Plan` (from :func:`memfit.plan` or ``Plan.from_json``).
         precision: run with this :class:`memfit.Precision` object (its fp32-kept modules,
             its scaler) instead of a new one; its mode must be the plan's.
+        compile: compile ``model`` in place (``model.compile()``, so ``state_dict`` keys do
+            not change) after applying the plan; a model already compiled stays as it is.
+            The plan, made eagerly, holds compiled (tests/test_compile.py).
 
     Returns:
         ``(model, optimizer)``: the model, and the optimizer to train with: a new one
@@ -115,6 +121,8 @@ def prepare(
         )
     optimizer = apply_levers(inner, optimizer, plan)
     _PREPARED[optimizer] = Prepared(plan=plan, precision=precision, model=weakref.ref(inner))
+    if compile:
+        compile_in_place(model)
     return model, optimizer
 
 
@@ -141,6 +149,7 @@ def planned_step(
     plan: Plan,
     *,
     clip_norm: float | None = None,
+    compile: bool = False,
 ) -> StepResult:
     """:func:`train_step` with everything the step did (loss, grad norm, scale, skipped)."""
     state = prepared(optimizer)
@@ -163,6 +172,8 @@ def planned_step(
             "fused_step.",
             "fused_step",
         )
+    if compile:
+        compile_in_place(model)
     return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)
 
 
@@ -174,6 +185,7 @@ def train_step(
     plan: Plan,
     *,
     clip_norm: float | None = None,
+    compile: bool = False,
 ) -> float:
     """Run one training step exactly as ``plan`` says and return the batch's mean loss.
 
@@ -190,6 +202,8 @@ def train_step(
         optimizer: the optimizer :func:`prepare` returned.
         plan: the plan given to :func:`prepare`.
         clip_norm: clip the gradient norm to this; None: no clipping.
+        compile: compile ``model`` in place before this step unless it runs compiled
+            already (as ``memfit.prepare(..., compile=True)`` does).
 
     Returns:
         The loss of the whole batch as a float (the micro-batches' losses, weighted).
@@ -197,4 +211,4 @@ def train_step(
     Raises:
         ConfigError: ``prepare`` was not called for this optimizer, or with another plan.
     """
-    return planned_step(model, batch, loss_fn, optimizer, plan, clip_norm=clip_norm).loss
+    return planned_step(model, batch, loss_fn, optimizer, plan, clip_norm=clip_norm, compile=compile).loss

@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -75,8 +76,24 @@ def check_output_dir(path: str | os.PathLike[str], what: str) -> Path:
     return p
 
 
+#: An existing file larger than this is not read to see whether it is memfit's own output.
+_LARGEST_OWN_FILE = 64 * 2**20
+
+
+def _is_json_object(p: Path) -> bool:
+    """Whether ``p`` holds one JSON object, as every file memfit writes with ``--out`` does."""
+    try:
+        if p.stat().st_size > _LARGEST_OWN_FILE:
+            return False
+        return isinstance(json.loads(p.read_text(encoding="utf-8")), dict)
+    except (OSError, ValueError):
+        return False
+
+
 def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
-    """Refuse a file path for output that is a directory, or whose directory cannot be written.
+    """Refuse a file path for output that is a directory, or whose directory cannot be written,
+    or an existing file that is not a JSON object (memfit's plans and profiles are): a mistyped
+    ``--out`` must not replace a file memfit did not write.
 
     Raises:
         ConfigError: one sentence naming ``what`` and the path.
@@ -85,6 +102,11 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
     try:
         if p.is_dir():
             raise ConfigError(f"{what} {str(p)!r} is a directory; give a file name.")
+        if p.exists() and not _is_json_object(p):
+            raise ConfigError(
+                f"{what} {str(p)!r} exists and is not a JSON file memfit wrote, so it is not replaced; "
+                "give a new file name (or remove that file first)."
+            )
         _check_writable(_nearest_existing(p.parent), p, what)
     except OSError as exc:
         raise _unusable(p, what, exc) from None

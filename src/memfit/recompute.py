@@ -46,7 +46,7 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from memfit.selective import keep_running_stats, selective_policy, selective_saves
+from memfit.selective import compiled_contexts, keep_running_stats, selective_policy, selective_saves
 
 __all__ = ["copies_made", "run_checkpointed"]
 
@@ -248,6 +248,10 @@ def run_checkpointed(
     Returns:
         What the block's forward returns.
     """
+    if torch.compiler.is_compiling():
+        return _ckpt.checkpoint(
+            inner, *args, use_reentrant=False, preserve_rng_state=True, **compiled_contexts(mode), **kwargs
+        )
     call = _BlockCall(inner, module, mode, args, kwargs)
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:

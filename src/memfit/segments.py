@@ -43,6 +43,7 @@ from memfit.checkpointing import LAYER_TAG, checkpoint_contexts, refuse_double_c
 from memfit.errors import ConfigError
 from memfit.forward_layers import forward_layers, set_forward_layer
 from memfit.hf_probe import without_caches
+from memfit.selective import compiled_contexts
 
 __all__ = ["ChainProbe", "applied_segments", "chain_probe", "set_segments"]
 
@@ -96,6 +97,8 @@ def _head(
     # (memfit.hf_probe): the recompute would append to them again. The later blocks are
     # still matched against the arguments the model passed.
     run_args, run_kwargs, _ = without_caches(args, kwargs)
+    compiling = torch.compiler.is_compiling()
+    contexts = compiled_contexts("full") if compiling else {"context_fn": lambda: _contexts(seg)}
     out = torch_checkpoint(
         _chain,
         inner,
@@ -103,7 +106,7 @@ def _head(
         *run_args,
         use_reentrant=False,
         preserve_rng_state=True,
-        context_fn=lambda: _contexts(seg),
+        **contexts,
         **run_kwargs,
     )
     seg.active, seg.next, seg.output, seg.rest, seg.kwargs = True, 1, out, args[1:], dict(kwargs)

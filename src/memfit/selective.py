@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +52,22 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.Ch
     return (
         _ckpt.CheckpointPolicy.MUST_SAVE if selective_saves(func) else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
     )
+
+
+def compiled_contexts(mode: str) -> dict[str, Any]:
+    """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none.
+
+    # NOTE: under torch.compile a checkpointed region becomes one higher-order op whose
+    # backward the AOT partitioner builds from a functionalized graph. The compiler accepts
+    # no context_fn but PyTorch's selective-checkpoint dispatch modes, and needs none of
+    # memfit's eager contexts: buffer mutations (BatchNorm statistics) are applied once after
+    # the forward and never recomputed; in-place ops are functionalized, so a recompute
+    # always starts from the values the forward saw; RNG is replayed by the compiler.
+    # tests/test_compile.py checks each of these against the plain compiled model.
+    """
+    if mode == "selective":
+        return {"context_fn": functools.partial(_ckpt.create_selective_checkpoint_contexts, selective_policy)}
+    return {}
 
 
 @contextlib.contextmanager

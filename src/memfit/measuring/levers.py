@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.compiled import eager
 from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype
@@ -87,7 +88,7 @@ def step_temp_per_element(
     opt = _probe_optimizer(optimizer, holder.p, kind, weights)
     # NOTE: eager as under every memfit tracker (torchao compiles its step otherwise; the
     # compile would cost more than the measurement and cannot be tracked).
-    with torch.compiler.set_stance("force_eager"):
+    with eager():
         holder.p.grad = torch.randn_like(holder.p) * 1e-3
         opt.step()  # creates the state
         holder.p.grad = torch.randn_like(holder.p) * 1e-3

@@ -9,12 +9,17 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from memfit.compiled import eager
+
 __all__ = ["create_optimizer_state", "preserved"]
 
 
 @contextlib.contextmanager
 def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Run the body, then put model, optimizer, gradients and RNG back as they were.
+
+    The body runs a compiled model eagerly (:func:`memfit.compiled.eager`): measurements
+    are of the eager step, and leave the compiled model free to compile its new plan.
 
     Example:
         >>> m = nn.Linear(2, 2)
@@ -31,7 +36,8 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = model.training
     try:
-        yield
+        with eager():
+            yield
     finally:
         model.load_state_dict(state)
         for p, g in grads:

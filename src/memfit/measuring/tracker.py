@@ -32,6 +32,8 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 from torch.utils._pytree import tree_flatten
 
+from memfit.compiled import eager
+
 __all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of", "device_of"]
 __all__ += ["fsdp_breakdown_of", "is_fsdp"]
 
@@ -115,7 +117,7 @@ class MemoryWatch:
         # NOTE: registered before MemTracker's own global hooks so it runs first. torch.compile
         # (torchao's optimizer step) refuses to run in a dispatch mode: compiled code runs eagerly.
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
-        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager = eager()
         self._eager.__enter__()
         self._tracker.__enter__()
         return self

@@ -86,7 +86,8 @@ def run_settings(
             f"{cfg.optimizer.warmup_steps} warm-up steps"
         ),
         "device": str(trainer.device)
-        + (f", {dist.world_size} processes ({dist.mode})" if dist.active else ""),
+        + (f", {dist.world_size} processes ({dist.mode})" if dist.active else "")
+        + (", compiled (torch.compile)" if cfg.train.compile else ""),
         "seed": str(cfg.train.seed),
     }
 
@@ -102,6 +103,8 @@ def run_notes(
     notes += list(resume_notes)
     if watch and watch.verdict:
         notes.append(watch.verdict)
+    if trainer.memory_note:
+        notes.append(f"memory: {trainer.memory_note}")
     if trainer.stop_reason:
         notes.append(f"stopped early: {trainer.stop_reason}")
     notes += [f"guard, step {e.step}: {e.message}" for e in trainer.guard.events]

@@ -196,6 +196,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
         dist=dist_ctx,
         guard=GuardConfig(on_overflow=cfg.memory.on_overflow),
         oom=OomConfig(profiles=profiles),
+        compile=cfg.train.compile,
     )
     return BuiltRun(
         trainer=trainer,

@@ -33,6 +33,7 @@ from torch import nn
 
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
+from memfit.compiled import is_compiled
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
@@ -76,6 +77,7 @@ class Stepper:
         guard: GuardConfig | None = None,
         oom: OomConfig | None = None,
         save_last_good: Callable[[], Path] | None = None,
+        compile: bool = False,
     ) -> None:
         self.dist = dist or DistContext()
         self.model = model
@@ -106,9 +108,24 @@ class Stepper:
             micro_batches=self.micro_batches,
         )
         # NOTE: a plan whose levers change the optimizer state's precision trains a new optimizer.
-        _, self.optimizer = prepare(model, optimizer, self._running, precision=self.precision)
+        _, self.optimizer = prepare(
+            model, optimizer, self._running, precision=self.precision, compile=compile
+        )
         self.memory_every = memory_every
         self.track_memory = track_memory
+        self.memory_note: str | None = None
+        """Why memory is not tracked, when that is not the caller's choice."""
+        if is_compiled(model) and track_memory:
+            # NOTE: MemTracker sees no inductor buffers, and tracking runs the model eagerly
+            # (memfit.compiled.eager): a compiled step has only the CUDA allocator's peak.
+            self.track_memory = False
+            self.memory_note = (
+                "compiled: each step's peak is the CUDA allocator's (MemTracker does not see "
+                "inductor's buffers)"
+                if self.device.type == "cuda"
+                else "compiled on CPU: step memory is not tracked (MemTracker does not see inductor's "
+                "buffers); the plan's prediction, from the eager step, stands"
+            )
         self.step_count = 0
         self.memory: MemoryReport | None = None
         """The breakdown of the last tracked steady-state step."""

@@ -88,6 +88,8 @@ class Trainer(Stepper):
             ``last-good.pt``, else ``memfit-last-good.pt`` in the working directory).
         oom: what to do when a step runs out of memory (default :class:`OomConfig`:
             re-plan with less memory and run the step again, see :mod:`memfit.train.oom`).
+        compile: compile the model in place (``model.compile()``) once the plan is applied;
+            on CPU memory is then not tracked (``memory_note`` says so).
 
     Raises:
         ConfigError: the arguments contradict the plan, or ``micro_batches < 1``.
@@ -112,11 +114,13 @@ class Trainer(Stepper):
         guard: GuardConfig | None = None,
         last_good_path: str | os.PathLike[str] | None = None,
         oom: OomConfig | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__(
             model, optimizer, loss_fn, precision, plan,
             micro_batches=micro_batches, clip_norm=clip_norm, memory_every=memory_every,
             track_memory=track_memory, dist=dist, guard=guard, oom=oom, save_last_good=self._save_last_good,
+            compile=compile,
         )  # fmt: skip
         if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
             scheduler.optimizer = self.optimizer  # NOTE: a plan's levers may train a new optimizer
