@@ -223,10 +223,27 @@ def solve(
         lowest = prog.run(peak_cost, [in_time], True, budget)
         chosen = prog.picked(x if lowest is None else lowest)
         peak = float(simulate_options(profile, chosen, micro_batches, prog.events).peak_bytes)
-        at_peak = LinearConstraint(prog.rows / max(1.0, peak), -np.inf, (peak - prog.const) / max(1.0, peak))
+        # NOTE: HiGHS stops within an absolute gap of 1e-6 of the normalised peak, a byte at a
+        # megabyte scale; asking in exact bytes for one byte less settles the lowest peak.
+        for _ in range(3):
+            lower = prog.run(cost, [in_time], False, peak - 1)
+            if lower is None:
+                break
+            found = prog.picked(lower)
+            found_peak = simulate_options(profile, found, micro_batches, prog.events).peak_bytes
+            if found_peak >= peak:
+                break
+            chosen, peak = found, float(found_peak)
+        # NOTE: bytes are integers, so "at most peak - 0.5" is "at most peak"; the half byte keeps
+        # HiGHS's MIP feasibility tolerance (1e-6 of the scaled row) from letting in a plan a
+        # byte over, and the exact check below catches what it still lets in.
+        scale = max(1.0, peak)
+        at_peak = LinearConstraint(prog.rows / scale, -np.inf, (peak - 0.5 - prog.const) / scale)
         ordered = prog.run(_order(prog), [in_time, at_peak], False, budget)
         if ordered is not None:
-            chosen = prog.picked(ordered)
+            preferred = prog.picked(ordered)
+            if simulate_options(profile, preferred, micro_batches, prog.events).peak_bytes <= peak:
+                chosen = preferred
         sol = _solution(prog, chosen, micro_batches)
         if sol.peak_bytes <= budget_bytes:
             return sol
