@@ -10,12 +10,14 @@
 # Env:    PYTHON (default: .venv/bin/python if present, else python3) with a CUDA build of torch;
 #         BATCH (default 8), STEPS (default 3), STRATEGIES (default all 15).
 # Budget: GPU tests at most 120 s, the out-of-memory step at most 90 s (expected ~20 s: a GPT of
-#         25M parameters profiled once, then 2 + 3 + 5 training steps), the compiled comparison
-#         at most 150 s (expected ~1-2 min: 8 variants of a 6 x 512 GPT compiled once each), the
-#         bench at most 330 s
+#         25M parameters profiled once, then 2 + 3 + 5 training steps), offload at most 60 s
+#         (expected ~10 s: one forward and backward of a 6-layer GPT with and without offload), the
+#         compiled comparison at most 150 s (expected ~1-2 min: 8 variants of a 6 x 512 GPT compiled
+#         once each), the bench at most 330 s
 #         (expected ~3-4 min: 15 strategies, each copied to the GPU, warmed up, tracked, then 3
 #         interleaved timed steps).
-# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/compile.md, OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
+# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/offload-cuda.log, OUT_DIR/compile.md,
+#         OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
 #         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +37,7 @@ fi
 status=0
 echo "== pytest -m gpu"
 start=$SECONDS
-timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k "not cuda_out_of_memory" 2>&1 \
+timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k "not cuda_out_of_memory and not offload" 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 # exit code 5: no test is marked gpu yet, which is not a failure of this check
@@ -49,6 +51,14 @@ timeout 90 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then echo "gpu_check: CUDA out-of-memory re-plan failed (exit $rc)"; status=1; fi
 echo "CUDA out-of-memory re-plan: $((SECONDS - start)) s"
+
+echo "== offload lever on CUDA: every block's saved activations in pinned host memory"
+start=$SECONDS
+timeout 60 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
+  "tests/test_levers.py::test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients" 2>&1 | tee "$OUT/offload-cuda.log"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then echo "gpu_check: offload on CUDA failed (exit $rc)"; status=1; fi
+echo "offload on CUDA: $((SECONDS - start)) s"
 
 echo "== compiled: memfit's checkpointing and plan vs activation_memory_budget, CUDA"
 start=$SECONDS

@@ -13,6 +13,7 @@ import torch
 __all__ = [
     "ConfigError",
     "InfeasibleBudget",
+    "LeverRefused",
     "MemfitError",
     "NonFiniteLoss",
     "OutOfMemory",
@@ -100,3 +101,15 @@ class OutOfMemory(MemfitError, torch.OutOfMemoryError):
     def __init__(self, message: str, state_path: object | None = None) -> None:
         super().__init__(message)
         self.state_path = state_path
+
+
+class LeverRefused(ConfigError):
+    """A lever (:mod:`memfit.levers`) cannot be used in this configuration; the message says why.
+
+    Attributes:
+        lever: the lever's name (``fused_step``, ``state_8bit``, ...).
+    """
+
+    def __init__(self, message: str, lever: str = "") -> None:
+        super().__init__(message)
+        self.lever = lever

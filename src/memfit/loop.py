@@ -39,7 +39,8 @@ from torch import nn
 from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
 from memfit.compiled import compile_in_place
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, LeverRefused
+from memfit.levers.apply import apply_levers, fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.segments import applied_segments
@@ -99,11 +100,13 @@ def prepare(
             The plan, made eagerly, holds compiled (tests/test_compile.py).
 
     Returns:
-        ``(model, optimizer)``: today the same objects; later levers (an optimizer whose
-        state is kept in lower precision) may return new ones.
+        ``(model, optimizer)``: the model, and the optimizer to train with: a new one
+        (torchao's AdamW, same param groups and hyper-parameters) when ``plan.levers``
+        keeps the optimizer state or the weights in lower precision, else the same object.
 
     Raises:
         ConfigError: the plan does not fit the model, or ``precision`` contradicts it.
+        LeverRefused: one of ``plan.levers`` cannot run here (the message says why).
     """
     inner = unwrap(model)
     check_plan_fits(inner, plan)
@@ -116,6 +119,7 @@ def prepare(
         raise ConfigError(
             f"precision {precision.mode!r} contradicts the plan's {plan.precision!r}; pass one of them."
         )
+    optimizer = apply_levers(inner, optimizer, plan)
     _PREPARED[optimizer] = Prepared(plan=plan, precision=precision, model=weakref.ref(inner))
     if compile:
         compile_in_place(model)
@@ -161,6 +165,13 @@ def planned_step(
         )
     if clip_norm is not None and not clip_norm > 0:
         raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
+    if clip_norm is not None and fused_step_of(optimizer) is not None and "selective" in plan.blocks.values():
+        raise LeverRefused(
+            "fused_step with clipping runs the backward twice (norms first, then the step), which "
+            "selective checkpointing allows once; use full checkpointing there, no clipping, or no "
+            "fused_step.",
+            "fused_step",
+        )
     if compile:
         compile_in_place(model)
     return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)

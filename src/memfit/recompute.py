@@ -285,11 +285,28 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     # Full checkpointing uses the same contexts without the SAC modes and _Replay.
     """
     if not call.selective:
-        return _forward(call, None), _recompute(call, None)
+        return _forward(call, None), _Reentrant(functools.partial(_recompute, call, None))
     caching, cached = _ckpt.create_selective_checkpoint_contexts(
         selective_policy, allow_cache_entry_mutation=True
     )
-    return _forward(call, caching), _recompute(call, cached)
+    return _forward(call, caching), _Reentrant(functools.partial(_recompute, call, cached))
+
+
+class _Reentrant:
+    """A context entered once per recompute: a graph kept with ``retain_graph`` (the fused
+    optimizer step's clipping, :mod:`memfit.levers.fused`) runs its backward, and so the
+    block's recompute, twice; a generator's context can be entered once only."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._open: list[Any] = []
+
+    def __enter__(self) -> Any:
+        self._open.append(self._make())
+        return self._open[-1].__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._open.pop().__exit__(*exc)
 
 
 @contextlib.contextmanager

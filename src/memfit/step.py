@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
 
 __all__ = [
@@ -102,6 +103,10 @@ def training_step(
     after the last backward and before clipping and the optimizer step (profiling uses it
     to split the step into phases). Under fake tensors (estimating) the loss has no value:
     ``StepResult.loss`` is then NaN.
+
+    With the optimizer step fused into the backward (:class:`memfit.levers.fused.FusedStep`
+    installed for ``optimizer``) the last micro-batch's backward steps every parameter
+    (clipping included) and nothing is left to do after it.
     """
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -111,17 +116,24 @@ def training_step(
     parts = split_batch(batch, micro_batches)
     total = batch_size(batch)
     loss_sum = 0.0
+    fused = fused_step_of(optimizer)
+    grad_norm = None
     for i, part in enumerate(parts):
         with precision.autocast():
             loss = loss_fn(model, part)
         if i == 0 and after_forward is not None:
             after_forward()
         weight = batch_size(part) / total
-        scaler.scale(loss * weight if len(parts) > 1 else loss).backward()
+        scaled = scaler.scale(loss * weight if len(parts) > 1 else loss)
+        if fused is not None and i == len(parts) - 1:
+            grad_norm = fused.backward(scaled, clip_norm)
+        else:
+            scaled.backward()
         loss_sum += _value(loss) * weight
     if after_backward is not None:
         after_backward()
-    grad_norm = None
+    if fused is not None:
+        return StepResult(loss_sum, grad_norm, False, 1.0, total, batch_tokens(batch))
     if clip_norm is not None and optimizer is not None:
         scaler.unscale_(optimizer)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))

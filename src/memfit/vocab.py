@@ -28,13 +28,17 @@ from memfit.errors import ConfigError
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "LEVERS",
     "MIXED_PRECISIONS",
     "PRECISIONS",
     "PRECISION_CHOICES",
     "STRATEGY_ORDER",
+    "WEIGHTS",
     "CheckpointMode",
+    "LeverName",
     "PrecisionChoice",
     "PrecisionName",
+    "WeightsName",
     "normalize_mode",
     "normalize_modes",
     "normalize_precision",
@@ -52,6 +56,15 @@ PRECISIONS: tuple[PrecisionName, ...] = typing.get_args(PrecisionName)
 MIXED_PRECISIONS: tuple[PrecisionName, ...] = PRECISIONS[1:]
 PRECISION_CHOICES: tuple[PrecisionChoice, ...] = typing.get_args(PrecisionChoice)
 CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
+
+#: What a plan may change beyond activations (see :mod:`memfit.levers`): the optimizer step
+#: fused into the backward, the optimizer state in bf16 / 8 bits / 4 bits, bf16 weights
+#: without an fp32 master copy, activations offloaded to host memory (CUDA only).
+LeverName = Literal["fused_step", "state_bf16", "state_8bit", "state_4bit", "weights_bf16", "offload"]
+LEVERS: tuple[LeverName, ...] = typing.get_args(LeverName)
+#: The dtypes floating weights are trained in: fp32 (as built), bf16 (the weights_bf16 lever).
+WeightsName = Literal["fp32", "bf16"]
+WEIGHTS: tuple[WeightsName, ...] = typing.get_args(WeightsName)
 
 #: Strategies from fastest-looking to slowest-looking: lower precision first (tensor-core
 #: matmuls are 2-16x faster than fp32 on GPUs; bf16 needs no loss scaling), then less recompute.

@@ -36,8 +36,9 @@ from tqdm import tqdm
 from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
 from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
+from memfit.levers.apply import apply_levers, remove_levers
 from memfit.precision import Precision
-from memfit.records import ModuleRange, NonFinite, RunCurve
+from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
 
 __all__ = ["CheckRunner", "OptimizerFn", "RunResult", "finite", "flat_params"]
@@ -139,13 +140,20 @@ class CheckRunner:
         blocks: dict[str, str] | None = None,
         micro_batches: int = 1,
         skip: frozenset[int] = frozenset(),
+        levers: Sequence[str] = (),
     ) -> RunResult:
-        """One training run; ``skip`` names steps that update nothing (an fp16 run's skipped steps)."""
+        """One training run; ``skip`` names steps that update nothing (an fp16 run's skipped steps);
+        ``levers`` (:mod:`memfit.levers`) are applied to its model and optimizer."""
         model = self.build()
         if blocks:
             set_block_modes(model, blocks)
         precision = Precision(mode, device=self.device)
         optimizer = self.optimizer_fn(model.parameters())
+        if levers:
+            optimizer = apply_levers(model, optimizer, Plan(blocks={}, precision=mode, levers=list(levers)))
+        clip: float | None = self.clip_norm if self.clip_norm else math.inf  # inf: norms measured only
+        if not self.clip_norm and "fused_step" in levers and "selective" in (blocks or {}).values():
+            clip = None  # NOTE: a fused step measures norms with a second backward, which SAC refuses
         curve = RunCurve(name=name, precision=mode)
         first: NonFinite | None = None
         torch.manual_seed(run_seed)
@@ -164,7 +172,7 @@ class CheckRunner:
                     None if step in skip else optimizer,
                     precision,
                     micro_batches=micro_batches,
-                    clip_norm=self.clip_norm if self.clip_norm else math.inf,
+                    clip_norm=clip,
                 )
                 found = watch.end_step(r.loss, step) if mode != "fp32" else None
                 r.skipped = r.skipped or step in skip
@@ -183,6 +191,10 @@ class CheckRunner:
                     self.bar.update(len(order) - step)
                     break  # without a scaler the weights are now lost; more steps add nothing
         curve.seconds = time.perf_counter() - start
+        if "weights_bf16" in levers:
+            # NOTE: judged in fp32 like every run: the bf16 weights upcast (exactly) first.
+            remove_levers(model, optimizer)
+            model.float()
         curve.eval_loss = self.evaluate(model, eval_batches)
         modules: list[ModuleRange] = []
         scale = float(precision.scaler.get_scale()) if precision.scaler.is_enabled() else 1.0

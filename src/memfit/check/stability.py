@@ -37,6 +37,7 @@ from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.levers.spec import normalize_levers
 from memfit.precision import Precision
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
@@ -102,6 +103,7 @@ def check_stability(
     seed: int = 0,
     thresholds: Thresholds | None = None,
     progress: bool = False,
+    levers: Sequence[str] | None = None,
 ) -> StabilityReport:
     """Train with fp32 and with each precision from identical weights and batches, and judge.
 
@@ -122,6 +124,9 @@ def check_stability(
         seed: seed of the weights and of the reference run's dropout.
         thresholds: verdict thresholds (default :class:`~memfit.check.verdict.Thresholds`).
         progress: show a progress bar.
+        levers: levers (:mod:`memfit.levers`) the precision runs use (default: the plan's);
+            the fp32 reference and noise runs use none, so the check proves the levers train
+            the same model as plain fp32 AdamW.
 
     Returns:
         A :class:`~memfit.records.StabilityReport`.
@@ -129,6 +134,7 @@ def check_stability(
     Raises:
         UnsupportedPrecision: an unknown precision, or one the device cannot run.
         ConfigError: no steps, no batches, or a ``model_fn`` whose models differ.
+        LeverRefused: a lever cannot run on this device, optimizer or precision.
     """
     _validate(precisions, steps, batches)
     facts = device_facts(device)
@@ -145,6 +151,7 @@ def check_stability(
         raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
     blocks = dict(plan.blocks) if plan else None
     micro = plan.micro_batches if plan else 1
+    used = normalize_levers(list(plan.levers) if plan and levers is None else levers)
     with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
         first = checker.build()
@@ -168,7 +175,7 @@ def check_stability(
         band = max(noise_delta, floor)
         results = {}
         for p in precisions:
-            run = checker.run(p, p, order, seed, eval_batches, blocks, micro)
+            run = checker.run(p, p, order, seed, eval_batches, blocks, micro, levers=used)
             skipped = frozenset(i for i, s in enumerate(run.curve.skipped, start=1) if s)
             base, twin = ref, None
             if skipped and len(skipped) <= thresholds.fail_skip_fraction * steps:
@@ -215,4 +222,5 @@ def check_stability(
         thresholds=thresholds.to_dict(),
         checkpointing=blocks or {},
         micro_batches=micro,
+        levers=used,
     )

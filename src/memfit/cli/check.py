@@ -15,6 +15,7 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.config import Config
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_dir
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
@@ -52,6 +53,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
     parser.add_argument("--out", default=None, help="output directory (default: train.out of the config)")
     parser.add_argument("--plan", default=None, help="a plan.json whose checkpointing the mixed runs use")
+    parser.add_argument(
+        "--levers",
+        default=None,
+        help="levers the checked runs use (comma-separated names or 'all'; default: the plan's, else none)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -105,6 +111,8 @@ def _batches(cfg: Config, steps: int) -> tuple[list[Batch], list[Batch]]:
 
 def _summary(report: StabilityReport) -> str:
     lines = [f"memfit check: {report.verdict} (noise band {report.noise_band:.4g})"]
+    if report.levers:
+        lines.append(f"  levers in the checked runs: {', '.join(report.levers)} (fp32 reference: none)")
     for pc in report.by_precision.values():
         lines.append(f"  {pc.precision}: {pc.verdict}")
         lines += [f"    - {r}" for r in pc.reasons]
@@ -131,6 +139,7 @@ def check(args: argparse.Namespace) -> None:
     resolve_device(cfg.train.device)
     if args.plan is not None:
         _read_plan(args.plan)
+    normalize_levers(args.levers)
     check_output_dir(args.out or cfg.train.out, "--out")
 
 
@@ -169,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
         clip_norm=o.clip_norm or None,
         seed=cfg.train.seed,
         progress=not args.quiet and sys.stderr.isatty(),
+        levers=None if args.levers is None else normalize_levers(args.levers),
     )
     print(_summary(report))
     try:

@@ -13,7 +13,10 @@ import argparse
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
+from memfit.levers.spec import allowed_levers, normalize_levers
 from memfit.measuring.estimate import estimate
+from memfit.planning.levers import smallest_with_levers
+from memfit.records import Estimate
 from memfit.report.memory_tables import strategy_table, verdict_line
 from memfit.train.build import build_model
 from memfit.vocab import PRECISIONS
@@ -37,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=PRECISIONS,
         help="estimate only this precision (repeatable; default: fp32, bf16 and fp16)",
     )
+    parser.add_argument(
+        "--levers",
+        default=None,
+        help="also print the smallest step these levers allow (comma-separated names or 'all')",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
 
 
@@ -44,7 +52,35 @@ def check(args: argparse.Namespace) -> None:
     """Refuse a bad config or ``--device-memory`` before estimating."""
     if args.device_memory is not None:
         parse_bytes(args.device_memory, what="device memory")
+    normalize_levers(args.levers)
     config_from_args(args)
+
+
+class _Named:
+    """Stands for the optimizer in lever refusals, which read only its family name."""
+
+    def __init__(self, name: str) -> None:
+        self.memfit_family = name
+
+
+def lever_line(est: Estimate, memory: int | None) -> str:
+    """The smallest step with levers, its peak and bytes per parameter, and whether it fits."""
+    e = est.with_levers
+    if e is None:
+        return (
+            "with levers: none of the levers asked for can be predicted here (torchao missing, or not AdamW)."
+        )
+    state = sum(e.breakdown.get(k, 0) for k in ("params", "grads", "optimizer"))
+    fits = (
+        ""
+        if memory is None
+        else f"; {'fits' if e.peak_bytes <= memory else 'does not fit'} {format_bytes(memory)}"
+    )
+    return (
+        f"smallest plan with levers {', '.join(e.levers)}: {e.precision}, {e.mode} checkpointing, peak "
+        f"{format_bytes(e.peak_bytes)} ({e.peak_bytes / est.param_count:.2f} bytes per parameter; "
+        f"model state {state / est.param_count:.2f}){fits}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +98,17 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn(cfg),
         device_memory=memory,
         precisions=args.precision or PRECISIONS,
+        levers=bool(args.levers),
     )
+    if args.levers:
+        # NOTE: offload is left out: its bytes are not in the step model (and a CPU refuses it).
+        allowed, _ = allowed_levers(
+            [n for n in normalize_levers(args.levers) if n != "offload"],
+            device="cpu",
+            optimizer=None if est.optimizer == "none" else _Named(est.optimizer),  # type: ignore[arg-type]
+            precision="auto",
+        )
+        est.with_levers = smallest_with_levers(est.profiles, allowed)
     if args.json:
         print(est.to_json())
         return 0
@@ -79,4 +125,6 @@ def run(args: argparse.Namespace) -> int:
     if memory is not None:
         print(f"device memory: {format_bytes(memory)}")
     print(verdict_line(est.ordered(), memory))
+    if args.levers:
+        print(lever_line(est, memory))
     return 0

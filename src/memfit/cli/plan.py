@@ -14,6 +14,7 @@ from memfit.budget import Budget, format_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
+from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_file, write_text
 from memfit.planning.maximize import MAXIMIZE, plan, resize_batch
 from memfit.records import Plan
@@ -47,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="batch_size: find the largest batch (at the configured sequence length) that a plan fits "
         "without micro-batches, starting from train.batch_size",
     )
+    parser.add_argument(
+        "--levers",
+        default=None,
+        help="levers beyond activations the plan may use: comma-separated names or 'all' (default none)",
+    )
+    parser.add_argument("--verify", action="store_true", help="check the chosen levers against fp32")
     parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
     parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -80,6 +87,7 @@ def check(args: argparse.Namespace) -> None:
     if not budget_text:
         raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
     Budget.parse(budget_text)
+    normalize_levers(args.levers)
     run_device(cfg)
     check_output_file(args.out, "--out")
 
@@ -96,8 +104,9 @@ def run(args: argparse.Namespace) -> int:
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
     result = plan(
-        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize
-    )
+        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
+        levers=args.levers, verify=args.verify,
+    )  # fmt: skip
     try:
         write_text(args.out, result.to_json() + "\n", "the plan")
     except ConfigError as exc:
@@ -119,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"batch size     {result.batch_size} (the largest that fits at this sequence length)")
     print(f"precision      {result.precision}")
     print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
+    if result.levers:
+        saved = ", ".join(f"{n} saves {format_bytes(b)}" for n, b in result.lever_savings.items())
+        print(f"levers         {', '.join(result.levers)} ({saved})")
     print(
         f"peak           predicted {format_bytes(result.predicted_peak_bytes)} "
         f"({_ratio(result.predicted_peak_bytes, result.baseline_peak_bytes)} of the baseline)"

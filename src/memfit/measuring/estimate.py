@@ -42,6 +42,7 @@ from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors
+from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.phases import (
     StepMemory,
     optimizer_state_bytes,
@@ -101,6 +102,7 @@ def estimate(
     device_memory: int | str | None = None,
     precisions: Iterable[str] = PRECISIONS,
     modes: Iterable[str] = CHECKPOINT_MODES,
+    levers: bool = False,
 ) -> Estimate:
     """Predict the peak bytes of one steady-state training step per precision and mode.
 
@@ -115,6 +117,8 @@ def estimate(
         device_memory: bytes available ("24GiB", "80GB", int); fills ``Estimate.fits``.
         precisions: subset of fp32, bf16, fp16.
         modes: subset of none, selective, full.
+        levers: also count what the levers need (:func:`memfit.measuring.levers.attach_lever_facts`:
+            parameters per block, and one small real optimizer step per state kind).
 
     Returns:
         An :class:`memfit.Estimate`.
@@ -185,6 +189,8 @@ def estimate(
         rank = {p: i for i, p in enumerate(precisions)}
         entries.sort(key=lambda e: rank[e.precision])
     by_dtype = optimizer_state_bytes(optimizer)
+    for prof in profiles.values() if levers else []:
+        attach_lever_facts(prof, model, optimizer, blocks)
     for prof in profiles.values():
         prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.compiled import eager
 from memfit.measuring.flops import counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,
@@ -175,7 +176,9 @@ def phased_step(
         marks["backward_end"] = tracker.total()
         tracker.enter_phase("optimizer")
 
-    with tracker:
+    # NOTE: torch.compile (torchao's optimizer step) cannot run under the tracker's dispatch
+    # mode: compiled code runs eagerly while tracked (its temporaries an upper bound).
+    with eager(), tracker:
         start, start_parts = tracker.total(), tracker.current_parts()
         tracker.enter_phase("forward")
         training_step(

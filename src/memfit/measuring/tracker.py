@@ -32,16 +32,10 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 from torch.utils._pytree import tree_flatten
 
-__all__ = [
-    "BlockMemory",
-    "MemoryWatch",
-    "PhaseTracker",
-    "block_memory",
-    "breakdown_of",
-    "device_of",
-    "fsdp_breakdown_of",
-    "is_fsdp",
-]
+from memfit.compiled import eager
+
+__all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of", "device_of"]
+__all__ += ["fsdp_breakdown_of", "is_fsdp"]
 
 _NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 #: Owners of storages the forward creates outside every block: before the first, after the last.
@@ -98,6 +92,7 @@ class MemoryWatch:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         self.model, self.device, self.peak_bytes, self._parts = model, device_of(model), 0, breakdown_of
         self._hook: Any = None
+        self._eager: Any = None
         self.breakdown: dict[str, int] = {}
         if is_fsdp(model):
             # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
@@ -119,8 +114,11 @@ class MemoryWatch:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        # NOTE: registered before MemTracker's own global hooks so it runs first.
+        # NOTE: registered before MemTracker's own global hooks so it runs first. torch.compile
+        # (torchao's optimizer step) refuses to run in a dispatch mode: compiled code runs eagerly.
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
+        self._eager = eager()
+        self._eager.__enter__()
         self._tracker.__enter__()
         return self
 
@@ -134,6 +132,7 @@ class MemoryWatch:
 
     def __exit__(self, *exc: object) -> None:
         self._tracker.__exit__(*exc)
+        self._eager.__exit__(*exc)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

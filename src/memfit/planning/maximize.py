@@ -237,6 +237,8 @@ def plan(
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
     maximize: str | None = None,
+    levers: str | Sequence[str] | None = None,
+    verify: bool = False,
 ) -> Plan:
     """The fastest plan whose step peak fits ``budget``; or the largest batch that fits.
 
@@ -251,6 +253,10 @@ def plan(
         profiles: already-measured profiles per precision (skips profiling; not with maximize).
         maximize: ``"batch_size"``: find the largest batch at ``batch``'s sequence length
             that one plan fits without micro-batches (:func:`largest_batch`).
+        levers: levers beyond activations the plan may use (:mod:`memfit.levers`): None
+            (default: none, so numerics are unchanged), ``"all"`` or a list of names; the
+            plan uses the least risky set that fits and says what each saves.
+        verify: check the chosen levers against fp32 on this model; refuse those that fail.
 
     Returns:
         A :class:`memfit.Plan` (``plan.batch_size``: the batch it was made for);
@@ -259,10 +265,20 @@ def plan(
     Raises:
         InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
         ConfigError: the budget cannot be read, or ``maximize`` is unknown.
+        LeverRefused: a lever named in ``levers`` cannot run here.
     """
     if maximize is None:
         result = planner.plan(
-            model, batch, loss_fn, budget, optimizer, precision, check=check, profiles=profiles
+            model,
+            batch,
+            loss_fn,
+            budget,
+            optimizer,
+            precision,
+            check=check,
+            profiles=profiles,
+            levers=levers,
+            verify=verify,
         )
         result.batch_size = batch_size(batch)
         return result
@@ -270,4 +286,6 @@ def plan(
         raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
     if profiles is not None:
         raise ConfigError("maximize='batch_size' profiles each batch size itself; do not pass profiles.")
+    if levers:
+        raise ConfigError("maximize='batch_size' plans without levers; leave levers out or maximize out.")
     return largest_batch(model, batch, loss_fn, budget, optimizer, precision, check=check)

@@ -41,17 +41,20 @@ from torch import nn
 
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
-from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
+from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.errors import InfeasibleBudget
-from memfit.measuring.inplace import inplace_parts
+from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
+from memfit.planning.levers import levers_applied, plan_with_levers, replan_without, resolve_levers
+from memfit.planning.notes import complete_profile, plan_notes
+from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, training_step
-from memfit.stepmodel import simulate, time_note
+from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
@@ -98,10 +101,12 @@ class _Planner:
         self.baseline = (0, 0.0)
         self.complete = False
         """Measure every mode even where the budget needs none (a later re-plan may need them)."""
+        self.levers: list[str] = []
+        """Levers the plan may use (:mod:`memfit.planning.levers`)."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = _fixed_bytes(self.model, self.optimizer)
-        if budget_bytes < fixed:
+        if budget_bytes < fixed and not self.levers:  # NOTE: levers shrink these bytes
             name = type(self.optimizer).__name__ if self.optimizer is not None else "none"
             detail = ""
             if estimated:
@@ -183,7 +188,9 @@ class _Planner:
             else:
                 margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
             try:
+                levers, saved = result.levers, result.lever_savings
                 result = plan_from_profiles(profiles, budget - margin, *self.baseline, segments=segments)
+                result.levers, result.lever_savings = levers, saved
             except InfeasibleBudget as exc:
                 raise InfeasibleBudget(
                     f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
@@ -213,10 +220,8 @@ class _Planner:
         torch.set_rng_state(rng)
         started = time.perf_counter()
         losses: list[float] = []
-        with MemoryWatch(self.model, self.optimizer) as watch:
-            step = training_step(
-                self.model, self.batch, self.loss_fn, self.optimizer, prec, result.micro_batches
-            )
+        with levers_applied(self.model, self.optimizer, result) as opt, MemoryWatch(self.model, opt) as watch:
+            step = training_step(self.model, self.batch, self.loss_fn, opt, prec, result.micro_batches)
             losses.append(step.loss)
         uncheckpoint(self.model)
         self.measured.append(f"1 tracked step of the chosen plan ({time.perf_counter() - started:.2f} s)")
@@ -234,6 +239,8 @@ def plan(
     *,
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
+    levers: str | Sequence[str] | None = None,
+    verify: bool = False,
 ) -> Plan:
     """The fastest plan whose step peak fits ``budget``: per-block checkpointing and segments,
     precision, micro-batches.
@@ -249,6 +256,11 @@ def plan(
         profiles: already-measured profiles per precision (skips profiling); a ``dict``
             passed here also receives the profiles this call measures, so that a later
             re-plan (after a step runs out of memory) need not profile again.
+        levers: levers beyond activations the plan may use (:mod:`memfit.levers`): None
+            (default: none, numerics unchanged), ``"all"`` (those this device, optimizer and
+            precision can run) or a list of names (each must be able to run here).
+        verify: with levers, check the chosen ones on this model (:mod:`memfit.planning.verify`)
+            and plan again without any whose check fails.
 
     Returns:
         A :class:`Plan`; ``memfit.apply(model, plan)`` applies it. ``plan.notes`` says what
@@ -258,10 +270,12 @@ def plan(
     Raises:
         InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
         ConfigError: the budget cannot be read or is not positive.
+        LeverRefused: a lever named in ``levers`` cannot run here (the message says why).
     """
     started = time.perf_counter()
     device = _device(model)
     wanted = candidate_precisions(precision, device)
+    allowed, refused = resolve_levers(levers, device, optimizer, precision)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     before = checkpointed_blocks(model)
     try:
@@ -269,6 +283,7 @@ def plan(
         with preserved(model, optimizer):
             planner = _Planner(model, batch, loss_fn, optimizer, wanted, spec)
             planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
+            planner.levers = allowed
             if profiles is not None and all(p in profiles for p in wanted):
                 profs = {p: profiles[p] for p in wanted}
                 base = profs.get("fp32", next(iter(profs.values())))
@@ -281,12 +296,21 @@ def plan(
                 if isinstance(profiles, dict):
                     # NOTE: the caller's cache (a re-plan after running out of memory reuses it);
                     # only profiles with every mode measured can serve a tighter budget later.
-                    profiles.update({p: pr for p, pr in profs.items() if _complete(pr)})
-            result = plan_from_profiles(profs, planner.budget_bytes, *planner.baseline)
+                    profiles.update({p: pr for p, pr in profs.items() if complete_profile(pr)})
+            for prof in profs.values() if allowed else []:
+                attach_lever_facts(prof, model, optimizer, find_blocks(model))
+            result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+            if verify and result.levers:
+                failed = failing_levers(model, batch, loss_fn, optimizer, result, planner.measured)
+                allowed = [n for n in allowed if n not in failed]
+                refused.update(failed)
+                result, used = replan_without(profs, planner.budget_bytes, planner.baseline, allowed, failed)
             if check:
-                result = planner.check(profs, result)
+                result = planner.check(used, result)
         result.budget_bytes = planner.budget_bytes
-        result.notes = _notes(model, result, profs)
+        result.notes = plan_notes(model, result, profs) + [
+            f"lever {n} not used: {w}" for n, w in refused.items()
+        ]
         result.measured = planner.measured
         result.planning_seconds = time.perf_counter() - started
         return result
@@ -294,28 +318,3 @@ def plan(
         uncheckpoint(model)
         if before:
             set_block_modes(model, before)
-
-
-def _complete(profile: Profile) -> bool:
-    """Whether every block was measured in every checkpointing mode."""
-    return all(set(CHECKPOINT_MODES) <= set(b.saved_bytes) for b in profile.blocks)
-
-
-def _notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
-    notes = [
-        time_note(profiles[result.precision]),
-        f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
-        "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
-    ]
-    norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    if result.micro_batches > 1 and norms:
-        notes.append(
-            f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
-            f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
-        )
-    # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
-    for note in profiles[result.precision].notes:
-        blocks, modes = inplace_parts(note)
-        if any(result.blocks.get(b) in modes for b in blocks):
-            notes.append(note)
-    return notes

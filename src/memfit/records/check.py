@@ -107,3 +107,5 @@ class StabilityReport(Record):
     checkpointing: dict[str, str] = field(default_factory=dict)
     """Blocks checkpointed in the mixed-precision runs, ``{name: mode}``."""
     micro_batches: int = 1
+    levers: list[str] = field(default_factory=list)
+    """Levers (:mod:`memfit.levers`) the precision runs used; the fp32 runs use none."""

@@ -22,6 +22,8 @@ class EstimateEntry(Record):
     """The peak split into :data:`BREAKDOWN_KEYS`; adds up to ``peak_bytes``."""
     activation_bytes: int = 0
     """What the forward keeps for backward (as :attr:`MemoryReport.activation_bytes`)."""
+    levers: list[str] = field(default_factory=list)
+    """Levers (:mod:`memfit.levers`) this entry uses; empty for the plain strategies."""
 
 
 @dataclass
@@ -47,6 +49,9 @@ class Estimate(Record):
     planning a model too large to run; ``measured_peak_bytes`` is 0 (nothing was measured)."""
     seconds: float = 0.0
     """Wall time the estimate took."""
+    with_levers: EstimateEntry | None = None
+    """With ``levers``: the smallest step the levers allow
+    (:func:`memfit.planning.levers.smallest_with_levers`)."""
 
     def entry(self, precision: str, mode: str) -> EstimateEntry:
         """The entry of one strategy; KeyError names the strategies there are."""

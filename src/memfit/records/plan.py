@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from memfit.errors import ConfigError
 from memfit.records.base import Record
-from memfit.vocab import normalize_modes
+from memfit.vocab import LEVERS, normalize_modes
 
 __all__ = ["Plan"]
 
@@ -43,6 +43,14 @@ class Plan(Record):
     """Wall time ``memfit.plan`` took to make this plan (0: not recorded)."""
     measured: list[str] = field(default_factory=list)
     """What planning ran, one line each (steps tracked and timed, micro-benchmarks)."""
+    levers: list[str] = field(default_factory=list)
+    """Levers beyond activations the plan uses (:mod:`memfit.levers`): ``fused_step``,
+    ``state_bf16`` / ``state_8bit`` / ``state_4bit``, ``weights_bf16``, ``offload``. Empty: none."""
+    offload: list[str] = field(default_factory=list)
+    """Blocks whose saved activations go to host memory (with the ``offload`` lever)."""
+    lever_savings: dict[str, int] = field(default_factory=dict)
+    """Per lever used: predicted bytes of the step's peak it saves (the plan without it minus
+    the plan)."""
 
     def __post_init__(self) -> None:
         # NOTE: one spelling of the modes (memfit.vocab); plans saved with "keep" still load.
@@ -52,6 +60,13 @@ class Plan(Record):
                 "make the plan again with memfit plan."
             )
         self.blocks = normalize_modes(self.blocks)
+        unknown = [n for n in self.levers if n not in LEVERS]
+        if unknown:
+            raise ConfigError(
+                f"the plan's lever {unknown[0]!r} is not one of {', '.join(LEVERS)}; make the plan again."
+            )
+        if self.offload and "offload" not in self.levers:
+            raise ConfigError("the plan offloads blocks but does not list the 'offload' lever; add it.")
         for seg in self.segments:
             inside = [n for n in seg if self.blocks.get(n) != "full"]
             if len(seg) < 2 or inside:

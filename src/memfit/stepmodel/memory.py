@@ -225,7 +225,15 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
         if micro_batches == 1
         else [("first micro-batch: ", False), ("later micro-batch: ", True)]
     )
-    for prefix, later in phases:
+    # NOTE: with the optimizer step fused into the backward (memfit.levers.fused), the last
+    # micro-batch's backward frees each gradient as it completes: its own phase.
+    fused = "fused_step" in profile.levers
+    if fused:
+        phases = phases[:-1] if micro_batches <= 2 else phases
+        phases.append(("last micro-batch: " if micro_batches > 1 else "", micro_batches > 1))
+    step = profile.lever_step_bytes
+    for k, (prefix, later) in enumerate(phases):
+        last = fused and k == len(phases) - 1
         start = {**state, "grads": profile.grad_bytes if later else 0}
         if stem_fwd:
             result.append(
@@ -246,6 +254,14 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
             )
         )
         fixed = {**start, "activations": whole, "temporaries": out_bwd}
+        if last:  # the head's gradients step as they complete
+            held = profile.grad_bytes - early if later else 0
+            fixed = {
+                **start,
+                "grads": held,
+                "activations": whole,
+                "temporaries": out_bwd - early + step.get("", 0),
+            }
         result.append(
             ev(
                 f"{prefix}backward outside the blocks (loss, head)",
@@ -254,16 +270,22 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
             )
         )
         grads = profile.grad_bytes if later else early
+        if last:  # blocks not yet backwarded and the stem still hold earlier micro-batches' gradients
+            grads = block_grads + outside_grads - early if later else 0
         for t in reversed(range(blk.n)):
             block = profile.blocks[t]
             fixed = {**state, "grads": grads, "activations": whole + kept_before}
             if segments:
                 label = f"{prefix}recompute before the backward of {block.name}"
                 result.append(ev(label, fixed, lambda o, t=t: blk.backward(o, t, True)))
+            if last:  # its new gradients step and go as they complete; one parameter's step at a time
+                fixed = {**fixed, "temporaries": step.get(block.name, 0) - _grad(block)}
             result.append(
                 ev(f"{prefix}backward of {block.name}", fixed, lambda o, t=t: blk.backward(o, t, False))
             )
-            if not later:
+            if last:
+                grads -= _grad(block) if later else 0
+            elif not later:
                 grads += _grad(block)
         if stem_bwd:
             fixed = {
@@ -272,9 +294,13 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
                 "activations": whole,
                 "temporaries": stem_bwd,
             }
+            if last:
+                fixed["grads"] = outside_grads - early if later else 0
+                fixed["temporaries"] = stem_bwd + step.get("", 0)
             result.append(Event(f"{prefix}backward outside before the blocks", fixed))
-    last = {**state, "grads": profile.grad_bytes, "activations": whole}
-    result.append(Event("optimizer step", {**last, "temporaries": profile.optimizer_temp_bytes}))
+    if not fused:
+        end = {**state, "grads": profile.grad_bytes, "activations": whole}
+        result.append(Event("optimizer step", {**end, "temporaries": profile.optimizer_temp_bytes}))
     return result
 
 

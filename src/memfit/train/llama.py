@@ -69,9 +69,16 @@ class LlamaConfig:
             self.hidden = 256 * -(-(8 * self.n_embd // 3) // 256)
 
 
-#: Named sizes; ``7b`` is LLaMA-7B's shape.
+#: Named sizes; ``7b`` is LLaMA-7B's shape, ``1.3b`` a 24-layer, 2048-wide one (1.36 B parameters).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {},
+    "1.3b": {
+        "vocab_size": 32000,
+        "n_layer": 24,
+        "n_embd": 2048,
+        "n_head": 16,
+        "block_size": 4096,
+    },
     "7b": {
         "vocab_size": 32000,
         "n_layer": 32,
@@ -183,7 +190,7 @@ class Llama(nn.Module):
 
 
 def llama(preset: str = "tiny", **overrides: Any) -> ModelSpec:
-    """Build a LLaMA-style model from a preset (``tiny``, ``7b``) and field overrides.
+    """Build a LLaMA-style model from a preset (``tiny``, ``1.3b``, ``7b``) and field overrides.
 
     Args:
         preset: a key of :data:`PRESETS`.

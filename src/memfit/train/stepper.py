@@ -107,7 +107,10 @@ class Stepper:
             precision=self.precision.mode,
             micro_batches=self.micro_batches,
         )
-        prepare(model, optimizer, self._running, precision=self.precision, compile=compile)
+        # NOTE: a plan whose levers change the optimizer state's precision trains a new optimizer.
+        _, self.optimizer = prepare(
+            model, optimizer, self._running, precision=self.precision, compile=compile
+        )
         self.memory_every = memory_every
         self.track_memory = track_memory
         self.memory_note: str | None = None
@@ -161,7 +164,7 @@ class Stepper:
         if precision is not prepared(self.optimizer).precision:
             # NOTE: the guard fell back to another precision: this step and the next run it.
             self._running = dataclasses.replace(self._running, precision=precision.mode)
-            prepare(self.model, self.optimizer, self._running, precision=precision)
+            _, self.optimizer = prepare(self.model, self.optimizer, self._running, precision=precision)
         return planned_step(
             self.model, batch, loss_fn, self.optimizer, self._running, clip_norm=self.clip_norm
         )
@@ -274,7 +277,7 @@ class Stepper:
             raise ConfigError(
                 f"the plan's precision {plan.precision!r} is not this Trainer's {self.precision.mode!r}."
             )
-        prepare(self.model, self.optimizer, plan, precision=self.precision)
+        _, self.optimizer = prepare(self.model, self.optimizer, plan, precision=self.precision)
         self.plan, self._running, self.micro_batches, self.memory = plan, plan, plan.micro_batches, None
 
     def _evaluate_with(self, eval_fn: Callable[[nn.Module], float]) -> float:

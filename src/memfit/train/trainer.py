@@ -122,6 +122,8 @@ class Trainer(Stepper):
             track_memory=track_memory, dist=dist, guard=guard, oom=oom, save_last_good=self._save_last_good,
             compile=compile,
         )  # fmt: skip
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
+            scheduler.optimizer = self.optimizer  # NOTE: a plan's levers may train a new optimizer
         self.scheduler = scheduler
         self.callbacks: list[TrainerCallback] = list(callbacks)
         self.progress = progress

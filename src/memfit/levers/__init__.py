@@ -1,0 +1,38 @@
+"""Levers beyond activations: plans that also shrink weights, gradients and optimizer state.
+
+Checkpointing and micro-batches shrink activations; the model state (fp32 weights, their
+gradients and AdamW's two moments: 16 bytes per parameter) stays. A plan's ``levers`` may
+also use, each only when asked (``memfit.plan(..., levers="all" | [names])``):
+
+- ``fused_step``: the optimizer step fused into the backward (:mod:`.fused`): gradients
+  are never all alive. Exact: the same weights as the unfused step.
+- ``state_bf16`` / ``state_8bit`` / ``state_4bit``: Adam's moments in bf16, or block-wise
+  quantized by torchao (:mod:`.optim`): 4, about 2 or about 1 byte per parameter instead of 8.
+- ``weights_bf16``: bf16 weights without an fp32 master copy, updates rounded
+  stochastically (:mod:`.weights`, :mod:`.optim`).
+- ``offload``: chosen blocks' saved activations in pinned host memory (:mod:`.offload`,
+  CUDA only).
+
+Which can run where is :mod:`.spec`; :func:`apply_levers` acts on a model and optimizer;
+:mod:`memfit.stepmodel.levers` predicts their bytes; ``memfit check --levers`` proves
+they still train the same model.
+"""
+
+from memfit.levers.apply import apply_levers, remove_levers
+from memfit.levers.fused import FusedStep, fused_step_of
+from memfit.levers.optim import lever_optimizer, state_bytes
+from memfit.levers.spec import STATE_LEVERS, allowed_levers, check_levers, normalize_levers, state_kind
+
+__all__ = [
+    "STATE_LEVERS",
+    "FusedStep",
+    "allowed_levers",
+    "apply_levers",
+    "check_levers",
+    "fused_step_of",
+    "lever_optimizer",
+    "normalize_levers",
+    "remove_levers",
+    "state_bytes",
+    "state_kind",
+]

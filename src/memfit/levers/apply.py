@@ -1,0 +1,70 @@
+"""Apply a plan's levers to a model and its optimizer (``memfit.prepare`` calls this).
+
+Example:
+    >>> import torch
+    >>> from memfit.records import Plan
+    >>> lin = torch.nn.Linear(4, 4)
+    >>> opt = apply_levers(lin, torch.optim.AdamW(lin.parameters()), Plan(blocks={}, levers=["fused_step"]))
+    >>> type(opt).__name__, fused_step_of(opt) is not None
+    ('AdamW', True)
+    >>> remove_levers(lin, opt)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from memfit.levers.fused import FusedStep, fused_step_of
+from memfit.levers.offload import clear_offload, offload_blocks
+from memfit.levers.optim import is_lever_optimizer, lever_optimizer
+from memfit.levers.spec import check_levers, state_kind
+from memfit.levers.weights import cast_weights
+from memfit.records import Plan
+
+__all__ = ["apply_levers", "fused_step_of", "remove_levers"]
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.Optimizer:
+    """Make ``model`` and ``optimizer`` run ``plan.levers``; returns the optimizer to train with.
+
+    A state lever or ``weights_bf16`` returns a new optimizer (torchao's AdamW, same param
+    groups and hyper-parameters); otherwise ``optimizer`` itself. ``weights_bf16`` casts the
+    weights in place; ``fused_step`` installs the hooks; ``offload`` wraps ``plan.offload``.
+    Levers of an earlier plan that this one does not use are taken off (bf16 weights stay).
+
+    Raises:
+        LeverRefused: a lever cannot run with this device, optimizer or precision.
+    """
+    levers = list(plan.levers)
+    check_levers(levers, device=_device(model), optimizer=optimizer, precision=plan.precision)
+    old = fused_step_of(optimizer)
+    if old is not None:
+        old.remove()
+    kind = state_kind(levers)
+    bf16 = "weights_bf16" in levers
+    new = optimizer
+    if kind != "fp32" or bf16:
+        same = is_lever_optimizer(optimizer) and getattr(optimizer, "memfit_state", "") == kind
+        if not (same and getattr(optimizer, "bf16_stochastic_round", False) == bf16):
+            new = lever_optimizer(optimizer, kind, weights_bf16=bf16)
+    if bf16:
+        cast_weights(model)
+    clear_offload(model)
+    if "offload" in levers:
+        offload_blocks(model, plan.offload)
+    if "fused_step" in levers:
+        FusedStep(new)
+    return new
+
+
+def remove_levers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Take off the hooks and wrappers :func:`apply_levers` installed (the weights' dtype stays)."""
+    fused = fused_step_of(optimizer)
+    if fused is not None:
+        fused.remove()
+    clear_offload(model)

@@ -1,0 +1,170 @@
+"""The optimizer a lever set trains with: torchao's low-precision AdamW, same hyper-parameters.
+
+``state_8bit`` and ``state_4bit`` use torchao's ``AdamW8bit`` / ``AdamW4bit`` (``Adam*`` for
+``torch.optim.Adam``): block-wise quantized moments, each tensor of at least 4096 values
+(a multiple of the block size) in 8 or 4 bits, smaller ones at the parameter's dtype, as
+bitsandbytes does. ``state_bf16`` keeps both moments in bf16, and ``weights_bf16`` without a
+state lever keeps them in fp32: both run torchao's same single-parameter AdamW step (it
+computes in fp32 and writes back into whatever dtype the state has).
+
+Compensation for bf16 weights: **stochastic rounding** (torchao's ``bf16_stochastic_round``),
+not a Kahan buffer. Rounded to nearest, an update smaller than half a bf16 ulp of the weight
+(2^-9 relative) is lost every step; rounded stochastically it lands with the right
+probability, so updates are kept in expectation, for 0 extra bytes, where a Kahan buffer
+costs 2 more bytes per parameter (the 6-bytes-per-parameter goal would not leave room).
+
+Trade-off: torchao's step is ``torch.compile(fullgraph=True)``, which cannot run inside
+MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), which holds
+more temporaries than the compiled step: measured peaks are upper bounds of the compiled ones.
+
+Example:
+    >>> import torch
+    >>> lin = torch.nn.Linear(64, 64)
+    >>> opt = lever_optimizer(torch.optim.AdamW(lin.parameters(), lr=0.01), "8bit", weights_bf16=False)
+    >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
+    ('MemfitAdamW8bit', 0.01)
+    >>> state_bytes(65536, 4, "8bit")  # codes + block scales + two 256-entry maps + the step count
+    135172
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from memfit.errors import LeverRefused
+from memfit.levers.spec import ADAM_LIKE, torchao_available
+from memfit.stepmodel.levers import state_bytes
+from memfit.vocab import WEIGHTS
+
+__all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer", "state_bytes"]
+
+#: State kinds: fp32 (unchanged), bf16, 8bit, 4bit.
+KINDS = (*WEIGHTS, "8bit", "4bit")
+_BLOCK = ("8bit", "4bit")
+#: torch.optim flags torchao's optimizers do not take (memfit drops the speed-only ones).
+_DROPPED = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay")
+
+
+def is_lever_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
+    """Whether ``optimizer`` was made by :func:`lever_optimizer`."""
+    return optimizer is not None and hasattr(optimizer, "memfit_state")
+
+
+def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
+    # NOTE: torchao keeps the learning rate as a tensor (no recompile when it changes); a
+    # scheduler or a user that writes a float is turned back into one here.
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+
+
+@functools.cache
+def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
+    from torchao.optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, _AdamW
+
+    def make(base: type[Any], name: str) -> type[torch.optim.Optimizer]:
+        def step(self: Any, closure: Any = None) -> Any:
+            _lr_as_tensor(self)
+            return base.step(self, closure)
+
+        def _new_buffer(self: Any, p: torch.Tensor, signed: bool) -> torch.Tensor:
+            # bf16 or fp32 moments whatever the weights' dtype (torchao's _AdamW follows the weights)
+            if self.memfit_state in WEIGHTS:  # moments kept as floats
+                return torch.zeros_like(
+                    p, dtype=torch.float32 if self.memfit_state == "fp32" else torch.bfloat16
+                )
+            return base._new_buffer(self, p, signed)
+
+        def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+            # NOTE: torch.optim casts loaded floating state to the parameter's dtype; moments
+            # kept in bf16 go back to bf16 so a resumed run computes as the saved one did.
+            base.load_state_dict(self, state_dict)
+            if self.memfit_state == "bf16":
+                for per in self.state.values():
+                    for key, value in per.items():
+                        if key != "step" and isinstance(value, torch.Tensor) and value.is_floating_point():
+                            per[key] = value.to(torch.bfloat16)
+
+        methods = {"step": step, "_new_buffer": _new_buffer, "load_state_dict": load_state_dict}
+        return type(name, (base,), {**methods, "__module__": __name__})
+
+    return {
+        ("8bit", True): make(AdamW8bit, "MemfitAdamW8bit"),
+        ("8bit", False): make(Adam8bit, "MemfitAdam8bit"),
+        ("4bit", True): make(AdamW4bit, "MemfitAdamW4bit"),
+        ("4bit", False): make(Adam4bit, "MemfitAdam4bit"),
+        ("float", True): make(_AdamW, "MemfitAdamW"),
+    }
+
+
+def _family(optimizer: torch.optim.Optimizer) -> str:
+    return str(getattr(optimizer, "memfit_family", type(optimizer).__name__))
+
+
+def _decoupled(optimizer: torch.optim.Optimizer) -> bool:
+    if _family(optimizer) == "AdamW":
+        return True
+    return bool(optimizer.defaults.get("decoupled_weight_decay", False))
+
+
+def lever_optimizer(
+    optimizer: torch.optim.Optimizer, kind: str, *, weights_bf16: bool
+) -> torch.optim.Optimizer:
+    """A torchao AdamW over the same parameters, param groups and hyper-parameters as ``optimizer``.
+
+    Args:
+        optimizer: a torch.optim.Adam / AdamW (or one this function made) without state yet.
+        kind: the moments' kind: ``fp32``, ``bf16``, ``8bit`` or ``4bit``.
+        weights_bf16: the weights are (or will be) bf16: round them stochastically.
+
+    Raises:
+        LeverRefused: torchao is missing, the optimizer is not Adam-like, it asks for
+            ``maximize``, or it already holds state (moments would be lost).
+    """
+    family = _family(optimizer)
+    lever = "weights_bf16" if kind == "fp32" else f"state_{kind}"
+    if not torchao_available():
+        raise LeverRefused(
+            f"{lever} needs torchao (pip install torchao); install it or leave {lever} out.", lever
+        )
+    if family not in ADAM_LIKE:
+        raise LeverRefused(f"{lever} needs torch.optim.Adam or AdamW; the optimizer is {family}.", lever)
+    if len(optimizer.state):
+        raise LeverRefused(
+            f"{lever} makes a new optimizer, but this one already holds state that would be lost; call "
+            "memfit.prepare before the first step (resume loads its state afterwards).",
+            lever,
+        )
+    groups = []
+    for group in optimizer.param_groups:
+        if group.get("maximize") or group.get("differentiable"):
+            raise LeverRefused(f"{lever}: torchao's AdamW has no maximize or differentiable mode.", lever)
+        g = {k: v for k, v in group.items() if k not in _DROPPED}
+        g["params"] = list(group["params"])
+        g["lr"] = float(g["lr"]) if isinstance(g["lr"], torch.Tensor) else g["lr"]
+        groups.append(g)
+    d = optimizer.defaults
+    lr = float(d["lr"]) if isinstance(d["lr"], torch.Tensor) else d["lr"]
+    common: dict[str, Any] = {
+        "lr": lr,
+        "betas": tuple(d["betas"]),
+        "eps": d["eps"],
+        "weight_decay": d["weight_decay"],
+        "amsgrad": d.get("amsgrad", False),
+        "bf16_stochastic_round": weights_bf16,
+    }
+    adamw = _decoupled(optimizer)
+    if kind in _BLOCK:
+        cls = _classes()[(kind, adamw)]
+        new = cls(groups, **common)
+    else:
+        cls = _classes()[("float", True)]
+        if not adamw:
+            raise LeverRefused(f"{lever} with torch.optim.Adam is not supported; use AdamW.", lever)
+        new = cls(groups, **common)
+    new.memfit_state = kind  # type: ignore[attr-defined]
+    new.memfit_family = family  # type: ignore[attr-defined]
+    return new

@@ -1,0 +1,216 @@
+"""Plans with levers (:mod:`memfit.levers`): the least risky lever set that fits the budget.
+
+Levers change numerics (``state_*``, ``weights_bf16``) or the step's structure
+(``fused_step``), so the planner uses them only when asked (``levers=``) and only as far
+as the budget needs: it tries lever sets from the least to the most numeric risk (no
+lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights), each without and then
+with the fused step (exact, but its clipping runs the backward twice), and keeps the
+first whose plan fits. Every set is predicted from the same profiles
+(:func:`memfit.stepmodel.levers.with_levers`, a pure function): no lever set costs a step.
+
+``offload`` is applied when a plan names it (``Plan.offload``) but the planner does not
+choose it (it is CUDA-only, and its bytes are not in the step model yet).
+
+Example:
+    >>> [sorted(s) for s in lever_sets(["fused_step", "state_8bit"])]
+    [[], ['fused_step'], ['state_8bit'], ['fused_step', 'state_8bit']]
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from memfit.budget import format_bytes
+from memfit.errors import InfeasibleBudget, LeverRefused
+from memfit.levers.apply import apply_levers, remove_levers
+from memfit.levers.spec import STATE_LEVERS, allowed_levers
+from memfit.levers.weights import cast_weights, restore_weights
+from memfit.measuring.preserve import create_optimizer_state
+from memfit.planning.choose import plan_from_profiles
+from memfit.records import EstimateEntry, Plan, Profile
+from memfit.stepmodel import simulate
+from memfit.stepmodel.levers import with_levers
+from memfit.vocab import LEVERS
+
+__all__ = [
+    "lever_profiles",
+    "lever_sets",
+    "levers_applied",
+    "plan_with_levers",
+    "replan_without",
+    "resolve_levers",
+    "savings",
+    "smallest_with_levers",
+]
+
+#: Numeric risk of each state kind (none first).
+_STATE_RISK = {None: 0, "state_bf16": 1, "state_8bit": 2, "state_4bit": 3}
+
+
+def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
+    """Every lever set the planner may use from ``allowed``, least numeric risk first."""
+    states: list[str | None] = [None, *[n for n in STATE_LEVERS if n in allowed]]
+    weights = [False, True] if "weights_bf16" in allowed else [False]
+    fused = [False, True] if "fused_step" in allowed else [False]
+    sets = []
+    for w in weights:
+        for s in states:
+            for f in fused:
+                names = {"fused_step"} if f else set()
+                names |= {s} if s else set()
+                names |= {"weights_bf16"} if w else set()
+                sets.append(((2 * _STATE_RISK[s] + 7 * w, f), [str(n) for n in LEVERS if n in names]))
+    return [names for _, names in sorted(sets, key=lambda kv: kv[0])]
+
+
+def resolve_levers(
+    levers: str | Sequence[str] | None,
+    device: torch.device,
+    optimizer: torch.optim.Optimizer | None,
+    precision: str | Sequence[str],
+) -> tuple[list[str], dict[str, str]]:
+    """The levers a plan may use, and ``{lever: why not}`` for those of ``"all"`` that cannot run.
+
+    Raises:
+        LeverRefused: a lever named explicitly cannot run here.
+        ConfigError: an unknown lever name.
+    """
+    mode = precision if isinstance(precision, str) else ("auto" if "bf16" in precision else precision[0])
+    allowed, refused = allowed_levers(levers, device=device, optimizer=optimizer, precision=mode)
+    if not (isinstance(levers, str) and levers.strip() == "all"):
+        for lever, why in refused.items():
+            raise LeverRefused(why, lever)
+    return allowed, refused
+
+
+def lever_profiles(profiles: Mapping[str, Profile], levers: Sequence[str]) -> dict[str, Profile]:
+    """The profiles a lever set can run at (``weights_bf16`` computes in bf16), levers applied."""
+    return {
+        p: with_levers(prof, levers)
+        for p, prof in profiles.items()
+        if "weights_bf16" not in levers or p == "bf16"
+    }
+
+
+def savings(profiles: Mapping[str, Profile], plan: Plan) -> dict[str, int]:
+    """Per lever of ``plan``: predicted peak of the same plan without it, minus the plan's."""
+    out = {}
+    base = profiles[plan.precision]
+    chosen = with_levers(base, plan.levers)
+    peak = simulate(chosen, plan.blocks, plan.micro_batches, plan.segments).peak_bytes
+    for lever in plan.levers:
+        rest = [n for n in plan.levers if n != lever]
+        if "weights_bf16" in rest and base.precision != "bf16":
+            continue
+        without = simulate(with_levers(base, rest), plan.blocks, plan.micro_batches, plan.segments)
+        out[lever] = without.peak_bytes - peak
+    return out
+
+
+def plan_with_levers(
+    profiles: Mapping[str, Profile],
+    budget_bytes: int,
+    baseline: tuple[int, float],
+    allowed: Sequence[str],
+) -> tuple[Plan, dict[str, Profile]]:
+    """The plan of the least risky lever set that fits, and the profiles it was planned from.
+
+    Raises:
+        InfeasibleBudget: no lever set fits (the message names the smallest peak found).
+    """
+    smallest: InfeasibleBudget | None = None
+    for levers in lever_sets(allowed) if allowed else [[]]:
+        profs = lever_profiles(profiles, levers)
+        if not profs:
+            continue
+        try:
+            result = plan_from_profiles(profs, budget_bytes, *baseline)
+        except InfeasibleBudget as exc:
+            if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
+                smallest = exc
+            continue
+        result.levers = list(levers)
+        result.lever_savings = savings(profiles, result) if levers else {}
+        return result, profs
+    assert smallest is not None
+    if not allowed:
+        raise smallest
+    raise InfeasibleBudget(
+        f"no plan fits the budget of {format_bytes(budget_bytes)} even with the levers "
+        f"{', '.join(allowed)}; the smallest step needs {format_bytes(smallest.minimum_bytes)}.",
+        minimum_bytes=smallest.minimum_bytes,
+        budget_bytes=budget_bytes,
+    )
+
+
+def smallest_with_levers(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> EstimateEntry | None:
+    """The smallest predicted step over lever sets, precisions and uniform modes (one micro-batch).
+
+    For ``memfit estimate``: what the levers make possible for a model too large to run.
+    None when no lever set can be predicted (no lever facts, or no lever allowed).
+    """
+    best: EstimateEntry | None = None
+    for levers in lever_sets(allowed):
+        if not levers or any(p.lever_facts is None for p in profiles.values()):
+            continue
+        for precision, prof in lever_profiles(profiles, levers).items():
+            for mode in sorted({m for b in prof.blocks for m in b.saved_bytes} or {"none"}):
+                sim = simulate(prof, mode)
+                if best is None or sim.peak_bytes < best.peak_bytes:
+                    best = EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, levers=list(levers))
+    return best
+
+
+def replan_without(
+    profiles: Mapping[str, Profile],
+    budget_bytes: int,
+    baseline: tuple[int, float],
+    allowed: Sequence[str],
+    failed: Mapping[str, str],
+) -> tuple[Plan, dict[str, Profile]]:
+    """:func:`plan_with_levers` once verification refused ``failed`` (``{lever: why}``).
+
+    Raises:
+        LeverRefused: no plan fits without the refused levers (the message says why each failed).
+    """
+    try:
+        return plan_with_levers(profiles, budget_bytes, baseline, allowed)
+    except InfeasibleBudget:
+        lever, why = next(iter(failed.items()))
+        raise LeverRefused(
+            f"{lever} is refused on this model: {why}; no plan fits {format_bytes(budget_bytes)} without it, "
+            "so raise the budget or fix what the check found.",
+            lever,
+        ) from None
+
+
+@contextlib.contextmanager
+def levers_applied(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan
+) -> Iterator[torch.optim.Optimizer | None]:
+    """Run the body with ``plan.levers`` on ``model`` and a copy of ``optimizer``; undo them after.
+
+    The optimizer yielded has its state (one step on zero gradients); the weights' dtype,
+    the hooks and the user's optimizer are as before afterwards.
+    """
+    if not plan.levers or optimizer is None:
+        yield optimizer
+        return
+    saved = cast_weights(model) if "weights_bf16" in plan.levers else []
+    # NOTE: a state lever makes a new optimizer from one without state: a shallow copy whose
+    # state is empty (the user's optimizer and its state are left alone).
+    fresh = copy.copy(optimizer)
+    fresh.state = collections.defaultdict(dict)
+    used = apply_levers(model, fresh, plan)
+    try:
+        create_optimizer_state(model, used)
+        yield used
+    finally:
+        remove_levers(model, used)
+        restore_weights(saved)

@@ -1,0 +1,151 @@
+"""A profile's numbers under a lever set: exact state bytes, the fused step's gradients.
+
+:func:`with_levers` turns a measured (or estimated) :class:`memfit.records.Profile` into
+the profile of the same step with levers (:mod:`memfit.levers`), a pure function over
+records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_step`` in
+``Profile.levers`` changes where gradients live).
+
+- Optimizer state: exact bytes per parameter of each kind (:func:`state_bytes`: torchao's
+  block-wise codes, scales and maps; the step counter); its step's temporaries from a
+  measured per-element cost (:class:`memfit.records.LeverFacts`), for the largest
+  parameter (torchao steps one parameter at a time).
+- ``fused_step``: gradients are freed as they complete; each part's backward holds instead
+  its largest parameter's gradient and step temporaries (``Profile.lever_step_bytes``).
+- Time: a state lever's optimizer step costs its measured seconds per element instead of the
+  user's optimizer's (``Profile.step_seconds`` moves by the difference); the fused step adds
+  no work without clipping (with clipping the last backward runs twice: not predicted).
+- ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
+  profile (an estimate), parameters and gradients are halved and activations kept, an
+  upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
+
+Example:
+    >>> from memfit.records import BlockStats, LeverFacts, Profile
+    >>> facts = LeverFacts(params={"b0": [8192], "": [4096]}, optimizer="AdamW",
+    ...                    step_temp_per_element={"8bit/fp32": 8.0, "orig/fp32": 4.0})
+    >>> blk = BlockStats("b0", param_bytes=32768, grad_bytes=32768, saved_bytes={"none": 100},
+    ...                  backward_peak_bytes={"none": 32768 + 50})
+    >>> prof = Profile("fp32", "cpu", 1, [blk], BlockStats("outside"), 49152, 49152, 98328, 0,
+    ...                lever_facts=facts)
+    >>> lev = with_levers(prof, ["fused_step", "state_8bit"])
+    >>> lev.optimizer_bytes, lev.lever_step_bytes["b0"]
+    (29064, 98304)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+from memfit.errors import ConfigError
+from memfit.records import Profile
+from memfit.vocab import LEVERS, WEIGHTS
+
+__all__ = ["state_bytes", "state_kind_of", "temp_key", "with_levers"]
+
+_BLOCK = {"8bit": 256, "4bit": 128}
+_MIN_QUANTIZED = 4096
+_STATES = {"state_bf16": "bf16", "state_8bit": "8bit", "state_4bit": "4bit"}
+
+
+def state_bytes(numel: int, param_bytes: int, kind: str, amsgrad: bool = False) -> int:
+    """Exact bytes of one parameter's AdamW state (moments and step count) of a kind.
+
+    ``fp32`` is also torch.optim.AdamW's own state (a 4-byte step tensor, two fp32 moments).
+    ``8bit`` / ``4bit``: torchao quantizes a tensor of at least 4096 elements that its block
+    size divides (codes, one fp32 scale per block, a 256- or 16-entry map); smaller ones stay
+    at the parameter's dtype.
+    """
+    buffers = 3 if amsgrad else 2
+    if kind in _BLOCK:
+        block = _BLOCK[kind]
+        if numel >= _MIN_QUANTIZED and numel % block == 0:
+            codes = numel if kind == "8bit" else numel // 2
+            qmap = 256 if kind == "8bit" else 16
+            per = codes + (numel // block) * 4 + qmap * 4
+        else:
+            per = numel * param_bytes
+        return 4 + buffers * per
+    if kind not in WEIGHTS:
+        raise ConfigError(f"unknown optimizer state kind {kind!r}; use fp32, bf16, 8bit or 4bit.")
+    return 4 + buffers * numel * (4 if kind == "fp32" else 2)
+
+
+def state_kind_of(levers: Sequence[str]) -> str:
+    """``orig`` (the user's optimizer as it is), or the kind torchao's AdamW keeps the moments in."""
+    kinds = [_STATES[n] for n in levers if n in _STATES]
+    if kinds:
+        return kinds[0]
+    return "fp32" if "weights_bf16" in levers else "orig"
+
+
+def temp_key(kind: str, weights: str) -> str:
+    """The key of :attr:`memfit.records.LeverFacts.step_temp_per_element`."""
+    return f"{kind}/{weights}"
+
+
+def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
+    """``profile`` with ``levers`` applied (a copy; an empty lever list returns it unchanged).
+
+    Raises:
+        ConfigError: an unknown lever, a profile without :class:`LeverFacts`, or
+            ``weights_bf16`` on a profile not measured in bf16.
+    """
+    names: list[str] = [n for n in LEVERS if n in levers]
+    unknown = [n for n in levers if n not in LEVERS]
+    if unknown:
+        raise ConfigError(f"unknown lever {unknown[0]!r}; the levers are {', '.join(LEVERS)}.")
+    if not names:
+        return profile
+    facts = profile.lever_facts
+    if facts is None:
+        raise ConfigError("this profile has no lever facts (made before levers existed); profile again.")
+    out = copy.deepcopy(profile)
+    out.levers = list(names)
+    bf16 = "weights_bf16" in names
+    weights = "bf16" if bf16 else profile.weights
+    if bf16 and profile.precision != "bf16":
+        raise ConfigError(f"weights_bf16 computes in bf16; this profile is at {profile.precision}.")
+    wbytes = 2 if weights == "bf16" else facts.weight_bytes
+    if weights != profile.weights:
+        half = facts.weight_bytes // wbytes
+        trained = sum(n for ns in facts.params.values() for n in ns)
+        out.param_bytes = (trained + facts.frozen_numel) * wbytes + facts.other_bytes
+        out.grad_bytes = profile.grad_bytes // half
+        out.early_grad_bytes = profile.early_grad_bytes // half
+        for b in out.blocks:
+            b.grad_bytes //= half
+            b.param_bytes = sum(facts.params.get(b.name, [])) * wbytes
+            for mode, value in b.backward_peak_bytes.items():
+                b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
+        out.weights = weights
+        out.notes = [
+            *out.notes,
+            "weights_bf16 predicted from a profile with fp32 weights: parameters and gradients halved, "
+            "activations as measured with autocast (its weight casts included): an upper bound.",
+        ]
+    kind = state_kind_of(names)
+    numels = [n for ns in facts.params.values() for n in ns]
+    if kind != "orig":
+        out.optimizer_bytes = sum(state_bytes(n, wbytes, kind, facts.amsgrad) for n in numels)
+        out.optimizer = f"torchao AdamW ({kind} state)"
+        per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
+        out.optimizer_temp_bytes = round(per * max(numels, default=0))
+        out.optimizer_bytes_by_dtype = {}
+        # NOTE: the step's time: every trained element at the kind's measured cost instead of
+        # the user's optimizer's (both eager; torchao compiles its step: an upper bound).
+        sec = facts.step_seconds_per_element
+        new, old = sec.get(temp_key(kind, weights)), sec.get(temp_key("orig", profile.weights))
+        if new is not None and old is not None and profile.step_seconds > 0:
+            out.step_seconds = max(0.0, profile.step_seconds + (new - old) * sum(numels))
+    if "fused_step" in names:
+        per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
+        out.lever_step_bytes = {
+            part: max((n * wbytes + round(per * n) for n in ns), default=0)
+            for part, ns in facts.params.items()
+        }
+    return out
+
+
+def profile_grad(profile: Profile, name: str) -> int:
+    """A block's gradient bytes in ``profile`` (0 for a name it does not have)."""
+    return next((b.grad_bytes for b in profile.blocks if b.name == name), 0)
