@@ -124,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  - {line}")
     if memory is not None:
         print(f"device memory: {format_bytes(memory)}")
-    print(verdict_line(est.ordered(), memory))
+    verdict = verdict_line(est.ordered(), memory)
+    print(f"without levers, {verdict}" if args.levers else verdict)
     if args.levers:
         print(lever_line(est, memory))
     return 0
