@@ -48,6 +48,7 @@ from memfit.measuring.phases import (
     optimizer_state_bytes,
     phased_step,
 )
+from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
 from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
@@ -81,17 +82,6 @@ def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -
         breakdown={k: int(parts.get(k, 0)) for k in BREAKDOWN_KEYS},
         activation_bytes=int(mem.forward_end - mem.start),
     )
-
-
-def _warm_up(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Create the optimizer state with one step on zero gradients (no forward needed)."""
-    if optimizer is None:
-        return
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
 
 
 def estimate(
@@ -154,7 +144,7 @@ def estimate(
     entries: list[EstimateEntry] = []
     with fake:
         model.train()
-        _warm_up(model, optimizer)
+        create_optimizer_state(model, optimizer)
         with batch_errors(model, batch):
             fast = (
                 len(blocks) > 2
