@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +36,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 from memfit.checkpointing import find_blocks
 from memfit.errors import MemfitError
 from memfit.forward_layers import set_forward_layer
+from memfit.planning.standard import sqrt_segments
 
 __all__ = ["NotSequential", "install_sequential", "sqrt_segments", "uninstall_sequential"]
 
@@ -45,15 +45,6 @@ _TAG = "sequential"
 
 class NotSequential(MemfitError):
     """The model's forward is not a plain chain of its blocks, so checkpoint_sequential cannot run it."""
-
-
-def sqrt_segments(n_blocks: int) -> int:
-    """``round(sqrt(n))`` segments (the memory-optimal split of a uniform chain), at least 2.
-
-    checkpoint_sequential never checkpoints its last segment, so one segment would
-    checkpoint nothing; two is the least that saves memory.
-    """
-    return min(n_blocks, max(2, round(math.sqrt(n_blocks))))
 
 
 def _chain_forward(

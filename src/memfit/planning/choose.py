@@ -8,6 +8,10 @@ model resolves no finer), so the lowest peak among them wins, then the precision
 first. The answer depends on exact bytes wherever time cannot tell: the same profiles, or
 profiles whose timings differ by noise, give the same plan.
 
+PyTorch's own configurations come first (:mod:`memfit.planning.standard`): where one fits
+and the solver's plan is not predicted :data:`~memfit.planning.standard.PREFER_STANDARD`
+of a step faster, the fastest standard configuration that fits is the plan.
+
 Example:
     >>> from memfit.records import BlockStats, Profile
     >>> blk = [BlockStats(f"b{i}", saved_bytes={"none": 100, "full": 10},
@@ -28,6 +32,7 @@ from memfit.budget import format_bytes
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.planning.solver import Solution, minimum_peak, solve
+from memfit.planning.standard import PREFER_STANDARD, standard_solutions
 from memfit.records import Plan, Profile
 from memfit.stepmodel import predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS
@@ -95,8 +100,25 @@ def _explain(precision: str, micro: int, sol: Solution, profiles: Mapping[str, P
     )
 
 
-def _tie_seconds(profiles: Mapping[str, Profile]) -> float:
-    return TIE * max((p.step_seconds for p in profiles.values()), default=0.0)
+def _step_seconds(profiles: Mapping[str, Profile]) -> float:
+    return max((p.step_seconds for p in profiles.values()), default=0.0)
+
+
+#: A candidate plan: (predicted seconds, peak bytes, precision's rank, precision, solution).
+_Found = tuple[float, int, int, str, Solution]
+
+
+def _pick(custom: list[_Found], standard: list[_Found], tie: float, prefer: float) -> _Found:
+    """The plan to return: a standard configuration unless the solver's is ``prefer`` faster.
+
+    Within the pool chosen, plans within ``tie`` of its fastest are equally fast and the
+    lowest peak wins, then the precision listed first.
+    """
+    fastest = min((f[0] for f in custom), default=float("inf"))
+    near = [f for f in standard if f[0] <= fastest + prefer]
+    pool = near or custom
+    best = min(f[0] for f in pool)
+    return min((f for f in pool if f[0] <= best + tie), key=lambda f: (f[1], f[2]))
 
 
 def plan_from_profiles(
@@ -125,26 +147,29 @@ def plan_from_profiles(
     if not profiles:
         raise ConfigError("no profiles to plan from; profile the model at one precision at least.")
     batch = max(p.batch_size for p in profiles.values())
-    tie = _tie_seconds(profiles)
+    tie = TIE * _step_seconds(profiles)
+    prefer = PREFER_STANDARD * _step_seconds(profiles)
     order = {p: i for i, p in enumerate(profiles)}
     for micro in _divisors(batch):
-        found: list[tuple[float, int, int, str, Solution]] = []
+        found: list[_Found] = []
+        standard: list[_Found] = []
         for precision, prof in profiles.items():
             sol = solve(prof, budget_bytes, micro, tie_seconds=tie, segments=segments)
             if sol is not None:
                 seconds = predict_options_seconds(prof, sol.options, micro)
                 found.append((seconds, sol.peak_bytes, order[precision], precision, sol))
+            for _, std in standard_solutions(prof, budget_bytes, micro, segments=segments):
+                seconds = predict_options_seconds(prof, std.options, micro)
+                standard.append((seconds, std.peak_bytes, order[precision], precision, std))
             if micro == 1 and precision == "fp32" and 0 < baseline_peak_bytes <= budget_bytes:
                 # NOTE: keeping every block was measured (the baseline) and fits, even where the
                 # step model, adding up per-block numbers, predicts a little more.
                 keep = _keep_all(prof, baseline_peak_bytes)
                 seconds = predict_options_seconds(prof, keep.options, 1)
                 found.append((seconds, baseline_peak_bytes, order[precision], precision, keep))
-        if found:
-            fastest = min(f[0] for f in found)
-            _, _, _, precision, sol = min(
-                (f for f in found if f[0] <= fastest + tie), key=lambda f: (f[1], f[2])
-            )
+                standard.append(found[-1])
+        if found or standard:
+            _, _, _, precision, sol = _pick(found, standard, tie, prefer)
             prof = profiles[precision]
             names = [b.name for b in prof.blocks]
             return Plan(

@@ -16,16 +16,45 @@ from torch import nn
 
 from memfit.measuring.inplace import inplace_parts
 from memfit.planning.choose import TIE
+from memfit.planning.standard import PREFER_STANDARD, STANDARD_NAMES, standard_name, standard_solutions
 from memfit.records import Plan, Profile
-from memfit.stepmodel import time_note
+from memfit.stepmodel import predict_options_seconds, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["complete_profile", "plan_notes"]
+__all__ = ["complete_profile", "plan_notes", "standard_note"]
 
 
 def complete_profile(profile: Profile) -> bool:
     """Whether every block was measured in every checkpointing mode."""
     return all(set(CHECKPOINT_MODES) <= set(b.saved_bytes) for b in profile.blocks)
+
+
+def standard_note(result: Plan, profile: Profile) -> str | None:
+    """One sentence: which PyTorch configuration the plan is, or how much faster than the best one it is."""
+    if not profile.blocks or any(b.name not in result.blocks for b in profile.blocks):
+        return None
+    modes = [result.blocks[b.name] for b in profile.blocks]
+    name = standard_name(profile, modes, result.segments)
+    if name == "none":
+        return None
+    if name is not None:
+        return (
+            f"the plan is PyTorch's own {name!r} configuration ({STANDARD_NAMES[name]}): no other plan that "
+            f"fits was predicted {PREFER_STANDARD:.0%} of a step faster."
+        )
+    fitting = standard_solutions(profile, result.budget_bytes, result.micro_batches)
+    if not fitting:
+        return (
+            "none of PyTorch's own configurations (full, every 2nd block, checkpoint_sequential, selective) "
+            "fits this budget."
+        )
+    timed = [(predict_options_seconds(profile, s.options, result.micro_batches), n) for n, s in fitting]
+    seconds, best = min(timed)
+    return (
+        f"the fastest PyTorch configuration that fits, {best!r} ({STANDARD_NAMES[best]}), is predicted at "
+        f"{seconds / result.predicted_step_seconds:.2f}x this plan's step time; a plan of memfit's own is "
+        f"chosen only {PREFER_STANDARD:.0%} of a step faster or more."
+    )
 
 
 def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
@@ -34,6 +63,9 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
         f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
         "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
     ]
+    std = standard_note(result, profiles[result.precision])
+    if std is not None:
+        notes.append(std)
     norms = [n for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if result.micro_batches > 1 and norms:
         notes.append(
