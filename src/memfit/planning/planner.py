@@ -61,10 +61,10 @@ __all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
-#: Whole steps timed per precision for the time model (more come with the selective pairs).
+#: Whole steps timed per precision for the time model (more come with the checkpointed rounds).
 _TIMED_STEPS = 1
-#: Pairs of timed steps, selective then none, where checkpointing is needed.
-_SELECTIVE_STEPS = 3
+#: More whole steps timed where checkpointing is needed (with the heaviest block timed alone).
+_MORE_TIMED_STEPS = 2
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -154,7 +154,7 @@ class _Planner:
             tight = simulate(done[p], "none").peak_bytes > self.budget_bytes
             if (tight or self.complete) and profilers[p].blocks:
                 profilers[p].modes([m for m in CHECKPOINT_MODES if m != "none"])
-                profilers[p].time_selective(_SELECTIVE_STEPS)
+                profilers[p].time_checkpointed(_MORE_TIMED_STEPS)
                 done[p] = profilers[p].result()
             try:
                 found = plan_from_profiles({p: done[p]}, self.budget_bytes)

@@ -45,6 +45,7 @@ from memfit.stepmodel import (
     block_seconds,
     events,
     option_seconds,
+    recompute_scale,
     simulate_options,
 )
 
@@ -100,7 +101,7 @@ class _Program:
         self.options = [
             o for o in opts if (use_segments or not o.segment) and (o.segment or o.mode in useful[o.first])
         ]
-        per = [block_seconds(b) for b in profile.blocks]
+        per = [block_seconds(b, recompute_scale(profile)) for b in profile.blocks]
         self.seconds = np.array([option_seconds(profile, o, per) for o in self.options], dtype=float)
         n, v = len(profile.blocks), len(self.options)
         self.cover = np.zeros((n, v))

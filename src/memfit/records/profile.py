@@ -112,10 +112,18 @@ class Speed(Record):
     """Measured forward seconds over the model's: the work units' efficiency in this model."""
     backward_scale: float = 2.0
     """Measured backward seconds over the modelled forward's."""
+    recompute_scale: float = 1.0
+    """Measured seconds of recomputing a block's forward (``timed_block`` run alone fully
+    checkpointed, less without, less the checkpoint call) over the scaled model's (1: not
+    fitted)."""
     timed_steps: int = 0
     """Whole steps timed to fit the two scales."""
+    full_steps: int = 0
+    """Runs of ``timed_block`` alone, fully checkpointed and not, that fit ``recompute_scale``."""
+    timed_block: str = ""
+    """The block timed alone to fit ``recompute_scale`` and ``selective_op_seconds``."""
     selective_steps: int = 0
-    """Whole steps timed with every block selectively checkpointed, to fit
+    """Runs of ``timed_block`` alone, selectively checkpointed and not, that fit
     ``selective_op_seconds`` (0: the micro-benchmark's)."""
 
 

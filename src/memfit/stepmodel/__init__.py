@@ -42,6 +42,7 @@ from memfit.stepmodel.time import (
     option_seconds,
     predict_options_seconds,
     predict_step_seconds,
+    recompute_scale,
     selective_work,
     time_note,
 )
@@ -62,6 +63,7 @@ __all__ = [
     "option_seconds",
     "predict_options_seconds",
     "predict_step_seconds",
+    "recompute_scale",
     "segment_ranges",
     "selective_work",
     "simulate",

@@ -39,6 +39,7 @@ __all__ = [
     "option_seconds",
     "predict_options_seconds",
     "predict_step_seconds",
+    "recompute_scale",
     "selective_work",
     "time_note",
 ]
@@ -86,10 +87,11 @@ def fill_times(profile: Profile) -> None:
         block.forward_seconds = sp.forward_scale * work
         plain = sp.backward_scale * work
         sel_work = selective_work(profile, block)
+        recompute = sp.forward_scale * sp.recompute_scale
         extra = {
             "none": 0.0,
-            "full": sp.forward_scale * work + sp.checkpoint_seconds,
-            "selective": sp.forward_scale * sel_work
+            "full": recompute * work + sp.checkpoint_seconds,
+            "selective": recompute * sel_work
             + sp.checkpoint_seconds
             + 2 * block.forward_ops * sp.selective_op_seconds,
         }
@@ -97,12 +99,18 @@ def fill_times(profile: Profile) -> None:
         block.backward_seconds = {m: plain + extra[m] for m in modes}
 
 
-def block_seconds(block: BlockStats) -> dict[str, float]:
+def recompute_scale(profile: Profile) -> float:
+    """The profile's fitted recompute speed relative to its forward (1 without a time model)."""
+    return profile.speed.recompute_scale if profile.speed is not None else 1.0
+
+
+def block_seconds(block: BlockStats, recompute: float = 1.0) -> dict[str, float]:
     """Forward + backward seconds per mode; a mode costs at least keeping plus its recompute.
 
     # NOTE: measured times (profiles without a time model, estimates) are noisy, and a
     # recompute can come out as fast as keeping the activations; FLOPs are exact, so each
-    # mode costs at least the ``none`` time plus its extra FLOPs at the block's forward speed.
+    # mode costs at least the ``none`` time plus its extra FLOPs at the block's forward speed
+    # times ``recompute`` (the profile's :func:`recompute_scale`).
     """
     options = block_options(block)
     total = {m: block.forward_seconds + block.backward_seconds.get(m, 0.0) for m in options}
@@ -110,7 +118,7 @@ def block_seconds(block: BlockStats) -> dict[str, float]:
         return total
     floor = total[options[0]]
     base_flops = block.backward_flops.get(options[0], 0)
-    speed = block.forward_seconds / block.forward_flops if block.forward_flops > 0 else 0.0
+    speed = recompute * block.forward_seconds / block.forward_flops if block.forward_flops > 0 else 0.0
     return {
         m: max(t, floor + max(0, block.backward_flops.get(m, 0) - base_flops) * speed)
         for m, t in total.items()
@@ -122,7 +130,7 @@ def option_seconds(
 ) -> float:
     """Seconds of one option: its block's time in its mode; a segment, its blocks fully
     checkpointed less the checkpoint calls it saves (one call instead of one per block)."""
-    per = times if times is not None else [block_seconds(b) for b in profile.blocks]
+    per = times if times is not None else [block_seconds(b, recompute_scale(profile)) for b in profile.blocks]
     if not option.segment:
         return per[option.first][option.mode]
     call = profile.speed.checkpoint_seconds if profile.speed is not None else 0.0
@@ -133,7 +141,7 @@ def option_seconds(
 def predict_options_seconds(profile: Profile, chosen: Sequence[Option], micro_batches: int = 1) -> float:
     """Predicted seconds of one step for a plan given as options (see :func:`predict_step_seconds`)."""
     s = micro_batch_scale(profile.batch_size, micro_batches) * micro_batches
-    per = [block_seconds(b) for b in profile.blocks]
+    per = [block_seconds(b, recompute_scale(profile)) for b in profile.blocks]
     plain = sum(t[block_options(b)[0]] for t, b in zip(per, profile.blocks, strict=True))
     rest = max(0.0, profile.step_seconds - plain)
     return rest + s * sum(option_seconds(profile, o, per) for o in chosen)
@@ -164,8 +172,19 @@ def time_note(profile: Profile) -> str:
         f"at {sp.flop_seconds * 1e12:.3g} s/TFLOP, bytes written (MemTracker) at "
         f"{sp.byte_seconds * 1e9:.3g} s/GB and aten ops at {sp.op_seconds * 1e6:.3g} us each "
         f"(micro-benchmarks on {profile.device}), scaled x{sp.forward_scale:.3g} (forward) and "
-        f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps; a checkpoint call "
+        f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps"
+        + (
+            f", a recompute at x{sp.recompute_scale:.3g} of that forward (fitted to {sp.timed_block} run "
+            f"alone {sp.full_steps} times with and without checkpointing)"
+            if sp.full_steps
+            else ""
+        )
+        + "; a checkpoint call "
         f"{sp.checkpoint_seconds * 1e6:.3g} us, selective checkpointing "
         f"{sp.selective_op_seconds * 1e6:.3g} us per op"
-        + (f" (fitted to {sp.selective_steps} timed selective steps)." if sp.selective_steps else ".")
+        + (
+            f" (fitted to {sp.timed_block} run alone {sp.selective_steps} times)."
+            if sp.selective_steps
+            else "."
+        )
     )

@@ -1,0 +1,149 @@
+"""One block timed on its own, in each checkpointing mode: what a recompute really costs.
+
+The step model counts each block's work; what a recompute and selective checkpointing's
+dispatch cost per unit of that work is a property of the model on this device (a CPU
+recomputes a block faster than its first forward, with warm caches; GELU's arithmetic and
+the cached outputs handed back cost selective more than an add). Whole steps are a poor
+ruler for that: a step's noise (a few percent) is as large as one block's recompute.
+:func:`capture_block_inputs` keeps the inputs one block saw in a real step, and
+:func:`time_block_modes` runs that block's forward and backward alone, many times, its
+modes interleaved (none, selective, full, none, ...), so each difference is taken between
+adjacent runs of a fraction of a step.
+
+Trade-off: one block stands for its kind (the planner's blocks of one class and shape are
+identical; others are scaled by their counted work), and objects a block reads and
+changes (an HF cache) are copied before every run, so each run starts from the same state.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    >>> x = torch.randn(4, 8)
+    >>> with capture_block_inputs(model, "0") as seen:
+    ...     _ = model(x)
+    >>> times = time_block_modes(model, "0", seen, ["none", "full"], rounds=2)
+    >>> sorted(times)
+    ['full', 'none']
+    >>> all(len(t) == 2 for t in times.values())
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from memfit.checkpointing import set_block_modes
+
+__all__ = ["BlockInputs", "capture_block_inputs", "time_block_modes"]
+
+
+@dataclass
+class BlockInputs:
+    """What one block was called with in a real step (empty until it was called)."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    seen: bool = False
+    error: str = ""
+    """Why the inputs could not be kept (then the block cannot be timed alone)."""
+
+
+def _keep(value: Any) -> Any:
+    """A tensor detached (as a leaf that requires grad where the original did); anything else copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return copy.deepcopy(value)
+
+
+@contextmanager
+def capture_block_inputs(model: nn.Module, name: str) -> Iterator[BlockInputs]:
+    """Keep the arguments block ``name`` is first called with while the body runs."""
+    seen = BlockInputs()
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if seen.seen or seen.error:
+            return
+        try:
+            seen.args, seen.kwargs = tree_map(_keep, (args, kwargs))
+            seen.seen = True
+        except Exception as exc:  # a value that cannot be copied: the block is not timed alone
+            seen.error = f"{type(exc).__name__}: {exc}"
+
+    handle = model.get_submodule(name).register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _fresh(seen: BlockInputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The inputs for one run: tensors shared (leaves, their grads dropped), objects copied anew."""
+
+    def one(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            value.grad = None
+            return value
+        return copy.deepcopy(value)
+
+    args, kwargs = tree_map(one, (seen.args, seen.kwargs))
+    return args, kwargs
+
+
+def _run(block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]]) -> None:
+    args, kwargs = _fresh(seen)
+    with autocast():
+        out = block(*args, **kwargs)
+    leaves = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not leaves:
+        raise RuntimeError("the block's output needs no gradient")
+    torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
+
+
+def time_block_modes(
+    model: nn.Module,
+    name: str,
+    seen: BlockInputs,
+    modes: Sequence[str],
+    rounds: int,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> dict[str, list[float]]:
+    """Seconds of block ``name``'s forward + backward alone, per mode, one per round.
+
+    One untimed round warms each mode up; then every round runs the modes in the order
+    given, so the i-th times of two modes were taken side by side. ``autocast`` makes the
+    context each run's forward runs in (the precision's autocast). The block's mode is put
+    back to ``none`` (no checkpointing) afterwards.
+
+    Raises:
+        RuntimeError: the inputs were not captured, or the block's output needs no gradient.
+    """
+    if not seen.seen:
+        raise RuntimeError(seen.error or f"block {name!r} was not called")
+    block = model.get_submodule(name)
+    device = next((p.device for p in block.parameters()), torch.device("cpu"))
+    cuda = device.type == "cuda"
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    try:
+        for r in range(rounds + 1):
+            for mode in modes:
+                set_block_modes(model, {name: mode})
+                if cuda:
+                    torch.cuda.synchronize(device)
+                start = time.perf_counter()
+                _run(block, seen, autocast)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                if r > 0:
+                    times[mode].append(time.perf_counter() - start)
+    finally:
+        set_block_modes(model, {name: "none"})
+    return times
