@@ -14,7 +14,7 @@ shows whether the plans agree; a 12-layer 256-wide GPT at sequence 256; GPT-2 fr
 config), and how long an impossible budget takes to be refused.
 
 Run (the HF and ViT models need the extras environment):
-    HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_plan.py [--repeats 3] [--steps 5]
+    HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_plan.py [--repeats 3] [--steps 25]
 """
 
 from __future__ import annotations
@@ -293,7 +293,7 @@ def main() -> None:
     parser.add_argument("--part", choices=("compare", "time", "all"), default="all")
     parser.add_argument("--only", nargs="+", choices=[*_cases(), "gpt12"], help="these models only")
     parser.add_argument("--repeats", type=int, default=3, help="bench runs per model (part 1)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per strategy and run, interleaved")
+    parser.add_argument("--steps", type=int, default=25, help="timed steps per strategy and run, interleaved")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (the shared CPU thrashes with more)"
     )

@@ -248,6 +248,9 @@ class Profiler:
         with capture_block_inputs(self.model, heaviest) as seen:
             self.times += [self._timed("none") for _ in range(max(1, steps))]
         modes = [m for m in ("none", "selective", "full") if m == "none" or m in self.memory]
+        if len(modes) == 1:  # no checkpointing mode was measured: nothing to fit
+            self.measured.append(f"{max(1, steps)} timed step(s) at {self.precision.mode}")
+            return
         try:
             times = time_block_modes(
                 self.model, heaviest, seen, modes, rounds, autocast=self.precision.autocast

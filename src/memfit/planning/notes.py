@@ -50,6 +50,8 @@ def standard_note(result: Plan, profile: Profile) -> str | None:
         )
     timed = [(predict_options_seconds(profile, s.options, result.micro_batches), n) for n, s in fitting]
     seconds, best = min(timed)
+    if result.predicted_step_seconds <= 0:
+        return f"the plan is not one of PyTorch's own configurations; of those, {best!r} fits."
     return (
         f"the fastest PyTorch configuration that fits, {best!r} ({STANDARD_NAMES[best]}), is predicted at "
         f"{seconds / result.predicted_step_seconds:.2f}x this plan's step time; a plan of memfit's own is "

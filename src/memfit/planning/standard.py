@@ -56,8 +56,8 @@ PREFER_STANDARD = 0.03
 #: How each standard configuration is written, for notes and messages.
 STANDARD_NAMES = {
     "none": "no checkpointing",
-    "full": "every block checkpointed (torch.utils.checkpoint on each, HF gradient_checkpointing)",
-    "every2": "every 2nd block checkpointed (blocks 0, 2, 4, ...)",
+    "full": "torch.utils.checkpoint on every block, as HF's gradient_checkpointing_enable() does",
+    "every2": "torch.utils.checkpoint on every 2nd block: 0, 2, 4, ...",
     "sequential": "checkpoint_sequential with round(sqrt(n)) segments",
     "selective": "selective activation checkpointing on every block",
 }
