@@ -31,8 +31,9 @@ Example:
 from __future__ import annotations
 
 import copy
+import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,8 +43,17 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.checkpointing import set_block_modes
+from memfit.records import Profile
+from memfit.stepmodel import forward_work, selective_work
 
-__all__ = ["BlockInputs", "capture_block_inputs", "time_block_modes"]
+__all__ = [
+    "BlockInputs",
+    "block_extras",
+    "capture_block_inputs",
+    "extras_over_none",
+    "fit_prices",
+    "time_block_modes",
+]
 
 
 @dataclass
@@ -147,3 +157,53 @@ def time_block_modes(
     finally:
         set_block_modes(model, {name: "none"})
     return times
+
+
+def extras_over_none(times: Mapping[str, list[float]]) -> dict[str, list[float]]:
+    """Each checkpointing mode's seconds over ``none``'s in the same round."""
+    none = times["none"]
+    return {m: [t - n for t, n in zip(ts, none, strict=True)] for m, ts in times.items() if m != "none"}
+
+
+def block_extras(
+    model: nn.Module,
+    name: str,
+    seen: BlockInputs,
+    modes: Sequence[str],
+    rounds: int,
+    autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> tuple[dict[str, list[float]], str]:
+    """Block ``name``'s seconds over none's per mode (:func:`time_block_modes`) and ``""``, or
+    no times and why the block cannot run alone."""
+    try:
+        return extras_over_none(time_block_modes(model, name, seen, modes, rounds, autocast)), ""
+    except Exception as exc:  # NOTE: whatever stops one block running alone, the step still runs
+        return {}, f"{type(exc).__name__}: {exc}"
+
+
+def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> None:
+    """Fit ``prof.speed``'s recompute and selective prices to block ``name``'s measured extras.
+
+    ``recompute_scale``: the median full extra, less one checkpoint call, over the block's
+    scaled forward. ``selective_op_seconds``: what the median selective extra leaves after
+    its counted recompute and call, per op dispatched (forward and recompute), never below
+    the micro-benchmark's.
+    """
+    sp = prof.speed
+    block = next((b for b in prof.blocks if b.name == name), None)
+    if sp is None or block is None:
+        return
+    sp.timed_block = name
+    if extras.get("full"):
+        extra = statistics.median(extras["full"]) - sp.checkpoint_seconds
+        modelled = sp.forward_scale * forward_work(prof, block)
+        if modelled > 0 and extra > 0:
+            # NOTE: a recompute is the same forward again: a fit outside a quarter to four
+            # times it is a disturbed timing, not the model, so it is clamped there.
+            sp.recompute_scale = min(4.0, max(0.25, extra / modelled))
+            sp.full_steps = len(extras["full"])
+    if extras.get("selective") and block.forward_ops:
+        extra = statistics.median(extras["selective"])
+        counted = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
+        sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - counted) / (2 * block.forward_ops))
+        sp.selective_steps = len(extras["selective"])

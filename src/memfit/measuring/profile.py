@@ -12,14 +12,12 @@ can stop where the rest cannot change its answer:
 3. one tracked step per checkpointing mode, in which identical blocks run once
    (:mod:`memfit.measuring.repeated_blocks`): the others pass their input through;
 4. a few timed steps and micro-benchmarks (:mod:`memfit.measuring.speed`) for the time
-   model (:mod:`memfit.stepmodel.time`); where checkpointing is needed, the heaviest
-   distinct block is also timed alone in each mode (:mod:`memfit.measuring.block_timing`)
-   to fit what a recompute and selective checkpointing cost per unit of counted work.
+   model (:mod:`memfit.stepmodel.time`), and the heaviest distinct block timed alone per
+   mode (:mod:`memfit.measuring.block_timing`) for a recompute's and selective's prices.
 
 Trade-off: per-block times are modelled from counted work scaled to the timed steps, not
 timed block by block: hook timings on a CPU are dominated by hook overhead, and timings
-of a shared machine differ run to run; counts do not. Only the two prices that counts
-cannot give come from timing, of one block run alone many times.
+of a shared machine differ run to run; counts do not.
 
 Example:
     >>> import torch
@@ -46,7 +44,7 @@ from torch import nn
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
-from memfit.measuring.block_timing import capture_block_inputs, time_block_modes
+from memfit.measuring.block_timing import block_extras, capture_block_inputs, fit_prices
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
@@ -55,10 +53,10 @@ from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
 from memfit.measuring.tracker import device_of
 from memfit.precision import Precision, as_precision
-from memfit.records import BlockStats, Profile, Speed
+from memfit.records import Profile, Speed
 from memfit.segments import chain_probe
 from memfit.step import Batch, LossFn, batch_size, training_step
-from memfit.stepmodel import fill_times, forward_work, selective_work, simulate, time_note
+from memfit.stepmodel import fill_times, forward_work, simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
@@ -96,10 +94,9 @@ class Profiler:
         self.links: list[bool] = []
         self.flops: dict[str, BlockFlops] = {}
         self.times: list[tuple[float, float, float]] = []
-        self.selective_extra: list[float] = []
-        self.full_extra: list[float] = []
+        self.extras: dict[str, list[float]] = {}
+        """Per checkpointing mode, ``timed_block``'s seconds over none's, one per round."""
         self.timed_block = ""
-        """The block timed alone in each mode (the fits rest on it)."""
         self.speed: Speed | None = None
         self.measured: list[str] = []
         """What was run, one line each (for the plan's report)."""
@@ -232,14 +229,9 @@ class Profiler:
 
     def time_checkpointed(self, steps: int, rounds: int = BLOCK_ROUNDS) -> None:
         """Time ``steps`` more whole steps without checkpointing, and the heaviest distinct
-        block alone, ``rounds`` times in each measured mode (none, selective, full side by
-        side): what a recompute and selective checkpointing cost on this model.
-
-        # NOTE: the step model prices a recompute by counted work and a micro-benchmark of
-        # tiny ops prices selective's dispatch; on a real model both are off by a model-wide
-        # factor. A whole step's noise is as large as one block's recompute, so the factor is
-        # fitted to one block run alone, many times, side by side in each mode.
-        """
+        block alone, ``rounds`` times in each measured mode side by side: what a recompute
+        and selective checkpointing cost on this model (a whole step's noise is as large as
+        one block's recompute)."""
         if not self.blocks:
             return
         started = time.perf_counter()
@@ -247,29 +239,19 @@ class Profiler:
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
         with capture_block_inputs(self.model, heaviest) as seen:
             self.times += [self._timed("none") for _ in range(max(1, steps))]
-        modes = [m for m in ("none", "selective", "full") if m == "none" or m in self.memory]
-        if len(modes) == 1:  # no checkpointing mode was measured: nothing to fit
-            self.measured.append(f"{max(1, steps)} timed step(s) at {self.precision.mode}")
-            return
-        try:
-            times = time_block_modes(
-                self.model, heaviest, seen, modes, rounds, autocast=self.precision.autocast
-            )
-        except Exception as exc:  # a block that cannot run alone: the micro-benchmark prices stand
-            self.measured.append(
-                f"{max(1, steps)} timed step(s) at {self.precision.mode}; {heaviest} could not run alone "
-                f"({type(exc).__name__}: {exc}), so recompute and selective costs are the micro-benchmark's "
-                f"({time.perf_counter() - started:.2f} s)"
-            )
-            return
-        self.timed_block = heaviest
-        for mode, extra in (("selective", self.selective_extra), ("full", self.full_extra)):
-            if mode in times:
-                extra += [t - n for t, n in zip(times[mode], times["none"], strict=True)]
-        self.measured.append(
-            f"{max(1, steps)} timed step(s) at {self.precision.mode} and {heaviest} alone {rounds} times in "
-            f"each of {', '.join(modes)} ({time.perf_counter() - started:.2f} s)"
+        modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
+        extras, why = (
+            ({}, "")
+            if len(modes) == 1
+            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast)
         )
+        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}"
+        if why:
+            what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
+        elif extras:
+            self.timed_block, self.extras = heaviest, extras
+            what += f" and {heaviest} alone {rounds} times in each of {', '.join(modes)}"
+        self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def result(self) -> Profile:
         """The :class:`memfit.Profile` of what was measured."""
@@ -296,39 +278,12 @@ class Profiler:
             prof.speed = sp
             work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
             sp.forward_scale, sp.backward_scale = fwd / work, bwd / work
-            sp.timed_block = self.timed_block
-            if self.full_extra:
-                self._fit_recompute(prof, sp)
-            if self.selective_extra:
-                self._fit_selective(prof, sp)
+            if self.extras:
+                fit_prices(prof, self.timed_block, self.extras)
             fill_times(prof)
         prof.notes = ([time_note(prof)] if prof.speed is not None else []) + list(self.notes())
         prof.notes += inplace_notes(self.copied, self.stand_in, self.blocks)
         return prof
-
-    def _timed_stats(self, prof: Profile) -> BlockStats:
-        return next(b for b in prof.blocks if b.name == self.timed_block)
-
-    def _fit_recompute(self, prof: Profile, sp: Speed) -> None:
-        """The recompute's speed relative to the scaled forward, from the block timed alone."""
-        block = self._timed_stats(prof)
-        extra = statistics.median(self.full_extra) - sp.checkpoint_seconds
-        modelled = sp.forward_scale * forward_work(prof, block)
-        if modelled > 0 and extra > 0:
-            # NOTE: a recompute is the same forward again: a fit outside a quarter to four
-            # times it is a disturbed timing, not the model, so it is clamped there.
-            sp.recompute_scale = min(4.0, max(0.25, extra / modelled))
-            sp.full_steps = len(self.full_extra)
-
-    def _fit_selective(self, prof: Profile, sp: Speed) -> None:
-        """Selective's cost per op beyond what the model counts, from the block timed alone."""
-        block = self._timed_stats(prof)
-        extra = statistics.median(self.selective_extra)
-        modelled = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
-        ops = 2 * block.forward_ops
-        if ops:
-            sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - modelled) / ops)
-            sp.selective_steps = len(self.selective_extra)
 
     def notes(self) -> list[str]:
         if self.blocks:

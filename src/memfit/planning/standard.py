@@ -5,8 +5,8 @@ reaches for: ``full`` (every block through ``torch.utils.checkpoint``, HF's
 ``gradient_checkpointing_enable()``), ``every2`` (blocks 0, 2, 4, ...), ``sequential``
 (``checkpoint_sequential`` with ``round(sqrt(n))`` segments: all but the last
 checkpointed as one) and ``selective`` (every block under PyTorch's selective activation
-checkpointing). :func:`standard_solutions` gives those that fit a
-budget, priced and simulated exactly like the solver's own plans.
+checkpointing). :func:`standard_solutions` gives those that fit a budget, priced and
+simulated exactly like the solver's own plans.
 
 The chooser (:mod:`memfit.planning.choose`) takes a plan of its own making only where the
 step model predicts it faster than the fastest standard configuration that fits by
