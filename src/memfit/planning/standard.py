@@ -37,7 +37,15 @@ from collections.abc import Sequence
 
 from memfit.planning.solver import Solution
 from memfit.records import Profile
-from memfit.stepmodel import Option, block_options, option_seconds, simulate_options, tiling
+from memfit.stepmodel import (
+    Option,
+    block_options,
+    block_seconds,
+    option_seconds,
+    recompute_scale,
+    simulate_options,
+    tiling,
+)
 from memfit.stepmodel.options import Segments
 
 __all__ = [
@@ -129,7 +137,9 @@ def standard_tilings(profile: Profile, segments: bool = True) -> dict[str, list[
     return unique
 
 
-def _solution(profile: Profile, options: list[Option], micro_batches: int) -> Solution:
+def _solution(
+    profile: Profile, options: list[Option], micro_batches: int, times: list[dict[str, float]]
+) -> Solution:
     modes = ["full"] * len(profile.blocks)
     for o in options:
         if not o.segment:
@@ -137,7 +147,7 @@ def _solution(profile: Profile, options: list[Option], micro_batches: int) -> So
     return Solution(
         modes=modes,
         peak_bytes=simulate_options(profile, options, micro_batches).peak_bytes,
-        block_seconds=sum(option_seconds(profile, o) for o in options),
+        block_seconds=sum(option_seconds(profile, o, times) for o in options),
         segments=[(o.first, o.last) for o in options if o.segment],
         options=options,
     )
@@ -148,8 +158,9 @@ def standard_solutions(
 ) -> list[tuple[str, Solution]]:
     """The standard configurations whose simulated peak fits ``budget_bytes``, named."""
     found = []
+    times = [block_seconds(b, recompute_scale(profile)) for b in profile.blocks]  # once, not per option
     for name, options in standard_tilings(profile, segments).items():
-        sol = _solution(profile, options, micro_batches)
+        sol = _solution(profile, options, micro_batches, times)
         if sol.peak_bytes <= budget_bytes:
             found.append((name, sol))
     return found
