@@ -1,7 +1,7 @@
 """The house rules of docs/ARCHITECTURE.md, checked over the source with the standard library's ast.
 
 No import cycles between memfit's modules, no module importing a private name (or a private
-module) from another, modules under 350 lines, at most 20 top-level names, and the
+module) from another, modules under 600 lines, at most 20 top-level names, and the
 precision and mode names spelled out once (in memfit/vocab.py).
 """
 
@@ -14,8 +14,9 @@ import memfit
 from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "memfit"
-#: The longest a module may be (the issue's bound; most are under 300).
-MAX_LINES = 350
+#: The longest a module may be: as long as its one concern needs, within reason (a cap of
+#: 350 split concerns across files; the redesign issue raises it to about 600).
+MAX_LINES = 600
 #: The most names the top-level package exports.
 MAX_PUBLIC = 20
 # NOTE: import cycles still to be removed would be listed here; a test fails as soon as one

@@ -16,6 +16,8 @@ Example:
     600
     >>> Budget.parse("60%").is_fraction, str(Budget.parse("500MB"))
     (True, '500MB')
+    >>> Budget.parse("device").resolve(None, room=3000)
+    3000
     >>> format_bytes(1610612736)
     '1.50 GiB'
 """
@@ -53,10 +55,11 @@ _MAX_BYTES = 2**60
 
 @dataclass(frozen=True)
 class Budget:
-    """A parsed budget: a number of bytes, or a fraction of a baseline peak still unknown.
+    """A parsed budget: a number of bytes, a fraction of a baseline peak still unknown, or
+    ``"device"``: what the device has room for (read by the planner).
 
-    Exactly one of ``bytes`` and ``fraction`` is set. ``text`` is what the user wrote, for
-    messages and reports.
+    At most one of ``bytes`` and ``fraction`` is set (neither for ``"device"``). ``text`` is
+    what the user wrote, for messages and reports.
     """
 
     bytes: int | None = None
@@ -65,10 +68,12 @@ class Budget:
     """The budget as a fraction in (0, 1] of the baseline peak (None for bytes)."""
     text: str = ""
     """The budget as the user gave it."""
+    device: bool = False
+    """``"device"``: the device's room (its free memory, less the allocator's margin)."""
 
     @classmethod
     def parse(cls, value: Budget | int | float | str, what: str = "budget") -> Budget:
-        """Read int bytes, ``"6GiB"``, ``"500MB"`` or ``"60%"``.
+        """Read int bytes, ``"6GiB"``, ``"500MB"``, ``"60%"`` or ``"device"``.
 
         Raises:
             ConfigError: the value cannot be read, is not positive, is under one byte, or is
@@ -84,11 +89,13 @@ class Budget:
             if not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{what} must be a positive number of bytes, got {_shown(value)}.")
             return cls(bytes=_whole_bytes(value, value, what), text=str(value))
+        if value.strip().lower() == "device":
+            return cls(device=True, text="device")
         match = _PATTERN.match(value)
         if match is None or match.group(2).lower() not in (*_UNITS, "%"):
             raise ConfigError(
                 f"cannot read {what} {_shown(value)}: write bytes as an integer, or a number with a unit "
-                "(B, KB, MB, GB, KiB, MiB, GiB), or a percentage such as '60%'."
+                "(B, KB, MB, GB, KiB, MiB, GiB), a percentage such as '60%', or 'device'."
             )
         number = float(match.group(1))
         unit = match.group(2).lower()
@@ -112,14 +119,22 @@ class Budget:
         """True for a percentage, which needs the baseline peak to become bytes."""
         return self.fraction is not None
 
-    def resolve(self, baseline_bytes: int | None, what: str = "budget") -> int:
-        """The budget in bytes; a percentage is taken of ``baseline_bytes``.
+    def resolve(self, baseline_bytes: int | None, what: str = "budget", room: int | None = None) -> int:
+        """The budget in bytes; a percentage is taken of ``baseline_bytes``, ``"device"`` is ``room``.
 
         Raises:
-            ConfigError: a percentage with no baseline, or one that comes to under a byte.
+            ConfigError: a percentage with no baseline, ``"device"`` with no room known, or
+                either coming to under a byte.
         """
         if self.bytes is not None:
             return self.bytes
+        if self.device:
+            if room is None or room <= 0:
+                raise ConfigError(
+                    f"{what} 'device' needs the device's free memory, which is not known here; "
+                    "give bytes such as '6GiB' instead."
+                )
+            return room
         if baseline_bytes is None:
             raise ConfigError(
                 f"{what} {self.text!r} is a percentage, but nothing to take it of is known here; "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import resource
 from dataclasses import dataclass, field
 
 import torch
@@ -25,13 +26,17 @@ from memfit.records import Record
 from memfit.vocab import MIXED_PRECISIONS
 
 __all__ = [
+    "ROOM_MARGIN",
     "DeviceFacts",
+    "Room",
     "all_device_facts",
     "default_device",
     "device_facts",
     "recommend_precision",
     "recommendation_line",
     "resolve_device",
+    "room",
+    "room_needed",
 ]
 
 
@@ -227,3 +232,127 @@ def recommendation_line(facts: DeviceFacts) -> str:
     if choice == "fp16":
         return "use fp16 with loss scaling"
     return "fp32 compute; save memory with checkpointing"
+
+
+#: What a step's estimated extra bytes are multiplied by, and what is added, before they
+#: are said to fit a :class:`Room`: allocator rounding and fragmentation, the measuring
+#: tools' own bookkeeping, an estimate a few percent short.
+ROOM_MARGIN = (1.10, 16 * 2**20)
+
+
+def room_needed(extra_bytes: int) -> int:
+    """The room ``extra_bytes`` more need with :data:`ROOM_MARGIN`."""
+    scale, pad = ROOM_MARGIN
+    return int(extra_bytes * scale) + pad
+
+
+@dataclass(frozen=True)
+class Room:
+    """How many more bytes this process can allocate on a device now, and where that was read.
+
+    Example:
+        >>> r = Room(free=2**30, source="MemAvailable")
+        >>> r.fits(2**29), r.fits(2**30)
+        (True, False)
+        >>> r.usable < r.free
+        True
+    """
+
+    free: int
+    """Bytes this process can still allocate (never below 0)."""
+    source: str
+    """Which limit is the tightest, in words (``"RLIMIT_AS"``, ``"cgroup memory.max"``, ...)."""
+
+    def fits(self, extra_bytes: int) -> bool:
+        """True when ``extra_bytes`` more, with :data:`ROOM_MARGIN`, fit the room."""
+        return room_needed(extra_bytes) <= self.free
+
+    @property
+    def usable(self) -> int:
+        """The largest extra bytes :meth:`fits` accepts."""
+        scale, pad = ROOM_MARGIN
+        return max(0, int((self.free - pad) / scale))
+
+
+def _proc_kib(path: str, key: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(64).strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_room() -> int | None:
+    """What the process's memory cgroup still allows (v2 ``memory.max``, or v1), or None."""
+    for limit, used in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
+        cap, now = _read_int(limit), _read_int(used)
+        if cap is not None and now is not None and cap < 2**60:
+            return cap - now
+    return None
+
+
+def _cpu_room() -> Room:
+    limits: dict[str, int] = {}
+    available = _proc_kib("/proc/meminfo", "MemAvailable")
+    if available is not None:
+        limits["MemAvailable"] = available
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    size = _proc_kib("/proc/self/status", "VmSize")
+    if soft != resource.RLIM_INFINITY and size is not None:
+        limits["RLIMIT_AS"] = soft - size
+    cgroup = _cgroup_room()
+    if cgroup is not None:
+        limits["cgroup memory.max"] = cgroup
+    if not limits:
+        return Room(free=max(0, _cpu_memory()), source="physical memory")
+    source = min(limits, key=lambda k: limits[k])
+    return Room(free=max(0, limits[source]), source=source)
+
+
+def _cuda_room(device: torch.device) -> Room:
+    free, total = torch.cuda.mem_get_info(device)
+    reserved = torch.cuda.memory_reserved(device)
+    cached = reserved - torch.cuda.memory_allocated(device)
+    source = "torch.cuda.mem_get_info + the caching allocator's free blocks"
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        capped = int(fraction(device) * total) - reserved
+        if capped < free:
+            free, source = capped, "set_per_process_memory_fraction + the caching allocator's free blocks"
+    return Room(free=max(0, free + cached), source=source)
+
+
+def room(device: str | torch.device) -> Room | None:
+    """How much more this process can allocate on ``device`` now (None: unknown, e.g. MPS).
+
+    CPU: the tightest of ``MemAvailable``, the address-space limit (``RLIMIT_AS`` less the
+    address space in use) and the memory cgroup's limit. CUDA: the device's free memory
+    (capped by ``torch.cuda.set_per_process_memory_fraction``) plus what the caching
+    allocator holds unused.
+
+    Example:
+        >>> r = room("cpu")
+        >>> r is not None and r.free > 0
+        True
+    """
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return _cpu_room()
+    if dev.type == "cuda":
+        return _cuda_room(dev)
+    return None

@@ -45,10 +45,14 @@ from memfit.benchmarking.copies import (
 )
 from memfit.benchmarking.pareto import mark_front
 from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
+from memfit.budget import format_bytes
 from memfit.checkpointing import uncheckpoint
-from memfit.devices import device_facts
-from memfit.errors import ConfigError, MemfitError
+from memfit.devices import device_facts, room
+from memfit.errors import ConfigError, MemfitError, OutOfMemory
 from memfit.measuring.memory import tracked_step
+from memfit.measuring.phases import optimizer_state_bytes, phased_step
+from memfit.measuring.preserve import create_optimizer_state
+from memfit.measuring.twin import make_twin
 from memfit.precision import Precision
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
@@ -101,6 +105,7 @@ def _prepare(
     copied.train()
     run.model = s.prepare(copied, batch, loss_fn)
     run.optimizer = fresh_optimizer(template, model, run.model)
+    _refuse_what_cannot_fit(run, batch, loss_fn, device)
     torch.manual_seed(seed)
     point.flops = _flops(run.model, batch, loss_fn, run.optimizer, run)
     peak, breakdown, _ = tracked_step(
@@ -109,6 +114,29 @@ def _prepare(
     point.peak_bytes = int(peak)
     point.breakdown = {k: int(v) for k, v in breakdown.items()}
     run.parked = park(run.model, run.optimizer, device)
+
+
+def _refuse_what_cannot_fit(run: _Run, batch: Batch, loss_fn: LossFn, device: torch.device) -> None:
+    """Raise :class:`OutOfMemory` (the strategy is reported as not fitting, with its estimated
+    peak) where its step, run on a fake-tensor twin, does not fit the device's room; a model
+    that cannot run on fake tensors is run for real as before."""
+    assert run.model is not None and run.precision is not None
+    try:
+        twin = make_twin(run.model, run.optimizer, batch)
+        with twin.mode:
+            create_optimizer_state(twin.model, twin.optimizer)
+            mem = phased_step(twin.model, twin.batch, loss_fn, twin.optimizer, run.precision, [])
+    except Exception:  # NOTE: what fake tensors cannot run is measured for real, as before
+        return
+    extra = mem.peak - mem.start + sum(optimizer_state_bytes(twin.optimizer).values())
+    r = room(device)  # NOTE: after the fake step, which loads what a first step needs
+    if r is not None and not r.fits(extra):
+        run.point.peak_bytes = int(mem.peak)
+        raise OutOfMemory(
+            f"does not fit: estimated under fake tensors at {format_bytes(mem.peak)}, "
+            f"{format_bytes(extra)} more than {device} has room for now ({format_bytes(r.free)}, "
+            f"{r.source}); not run"
+        )
 
 
 def _drop(run: _Run, exc: BaseException, device: torch.device) -> None:
@@ -138,9 +166,20 @@ def _baseline_flops(
                 strategy=builtin_strategy(precision, "none"), point=BenchPoint("", precision, "none")
             )
             plain.precision = Precision(precision, device=device)
-            copied = uncheckpoint(copy.deepcopy(model).to(device)).train()
-            cache[precision] = _flops(copied, batch, loss_fn, None, plain)
+            cache[precision] = _plain_flops(model, batch, loss_fn, plain, device)
     return cache[precision]
+
+
+def _plain_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, plain: _Run, device: torch.device) -> int:
+    """The plain step's FLOPs, counted on a fake-tensor twin (nothing allocated: the plain step
+    need not fit); a model fake tensors cannot run is counted on a real copy."""
+    try:
+        twin = make_twin(model, None, batch)
+        with twin.mode:
+            return _flops(uncheckpoint(twin.model.to(device)).train(), twin.batch, loss_fn, None, plain)
+    except Exception:  # NOTE: what fake tensors cannot run is counted for real, as before
+        copied = uncheckpoint(copy.deepcopy(model).to(device)).train()
+        return _flops(copied, batch, loss_fn, None, plain)
 
 
 def _finish(runs: Sequence[_Run], baseline: str) -> None:

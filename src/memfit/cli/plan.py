@@ -3,7 +3,8 @@
 Example:
     memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
     memfit plan run.toml --budget 2GiB --out plan.json
-    memfit plan --maximize batch_size --budget 24GiB     # the largest batch that fits
+    memfit plan --maximize batch_size --budget 1GiB      # the largest batch that fits
+    memfit plan --budget device                           # what this device has room for
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument(
         "--budget",
-        metavar="BYTES",
+        metavar="BUDGET",
         help="peak memory of one training step: '2GiB', '500MB', '60%%' of the fp32 no-checkpointing "
-        "peak, or bytes (default: memory.budget of the config)",
+        "peak, bytes, or 'device' (what the device has room for now, less a margin; the default "
+        "when neither this nor memory.budget of the config is given)",
     )
     parser.add_argument(
         "--precision",
@@ -83,19 +85,21 @@ def _ratio(a: float, b: float) -> str:
 def check(args: argparse.Namespace) -> None:
     """Refuse a bad config, budget, device or ``--out`` before the model is built."""
     cfg = config_from_args(args)
-    budget_text = args.budget if args.budget is not None else cfg.memory.budget
-    if not budget_text:
-        raise ConfigError("no budget given: pass --budget such as '60%' or '2GiB', or set memory.budget.")
-    Budget.parse(budget_text)
+    Budget.parse(_budget_text(args, cfg.memory.budget))
     normalize_levers(args.levers)
     run_device(cfg)
     check_output_file(args.out, "--out")
 
 
+def _budget_text(args: argparse.Namespace, configured: str) -> str:
+    """``--budget``, else the config's ``memory.budget``, else ``"device"``."""
+    return args.budget if args.budget is not None else (configured or "device")
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it under the budget, print the plan and write plan.json."""
     cfg = config_from_args(args)
-    budget = Budget.parse(args.budget if args.budget is not None else cfg.memory.budget)
+    budget = Budget.parse(_budget_text(args, cfg.memory.budget))
     precisions = args.precision or [cfg.memory.precision]
     choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
     device = run_device(cfg)

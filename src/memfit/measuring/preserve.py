@@ -3,20 +3,38 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from memfit.compiled import eager
 
 __all__ = ["create_optimizer_state", "preserved"]
 
 
+def _snapshot(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``; an accelerator's tensors are copied to host memory, so that measuring
+    does not need the device's room twice over (``load_state_dict`` copies them back)."""
+    if t.device.type in ("cuda", "mps", "xpu"):
+        return t.detach().to("cpu", copy=True)
+    return t.detach().clone()
+
+
+def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict with every tensor copied (see :func:`_snapshot`) and its
+    containers new (the pytree map rebuilds them)."""
+    snapshot: dict[str, Any] = tree_map_only(torch.Tensor, _snapshot, optimizer.state_dict())
+    return snapshot
+
+
 @contextlib.contextmanager
 def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Run the body, then put model, optimizer, gradients and RNG back as they were.
+
+    The copies of a GPU's weights, gradients and optimizer state are kept in host memory.
 
     The body runs a compiled model eagerly (:func:`memfit.compiled.eager`): measurements
     are of the eager step, and leave the compiled model free to compile its new plan.
@@ -29,9 +47,9 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
         >>> bool(torch.equal(m.weight, before))
         True
     """
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in model.parameters()]
-    opt_state = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+    state = {k: _snapshot(v) for k, v in model.state_dict().items()}
+    grads = [(p, None if p.grad is None else _snapshot(p.grad)) for p in model.parameters()]
+    opt_state = _optimizer_snapshot(optimizer) if optimizer is not None else None
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = model.training

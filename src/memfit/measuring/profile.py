@@ -37,14 +37,19 @@ import statistics
 import time
 import warnings
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 
+from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
+from memfit.devices import Room, room, room_needed
+from memfit.errors import OutOfMemory, is_out_of_memory
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
-from memfit.measuring.block_timing import block_extras, capture_block_inputs, fit_prices
+from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
@@ -52,6 +57,7 @@ from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
 from memfit.measuring.tracker import device_of
+from memfit.measuring.twin import Twin, make_twin
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.segments import chain_probe
@@ -62,7 +68,14 @@ from memfit.vocab import CHECKPOINT_MODES
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
 BLOCK_ROUNDS = 8
 
-__all__ = ["BLOCK_ROUNDS", "Profiler", "create_optimizer_state", "profile", "profile_from_memory"]
+__all__ = [
+    "BLOCK_ROUNDS",
+    "Profiler",
+    "create_optimizer_state",
+    "memory_profile",
+    "profile",
+    "profile_from_memory",
+]
 
 
 class Profiler:
@@ -100,33 +113,126 @@ class Profiler:
         self.speed: Speed | None = None
         self.measured: list[str] = []
         """What was run, one line each (for the plan's report)."""
+        self.room: Room | None = None
+        """The device's room, read when the plain step is about to run."""
+        self.twin: Twin | None = None
+        self.twin_error = ""
+        """Why the model could not run on a fake twin (then every step is real)."""
+        self.estimate: StepMemory | None = None
+        """The plain step under fake tensors."""
+        self.fake = False
+        """Memory is measured on the fake twin: the plain step does not fit the room."""
+        self.timing: tuple[str, int] = ("none", 1)
+        """The mode and micro-batches whole steps were timed in."""
+        self.failed: set[tuple[str, int]] = set()
+        """Timing configurations that ran out of memory."""
+
+    def _subject(self) -> tuple[nn.Module, Batch, torch.optim.Optimizer | None, AbstractContextManager[Any]]:
+        """What memory steps run on: the fake twin once the plain step was found not to fit."""
+        if self.fake and self.twin is not None:
+            return self.twin.model, self.twin.batch, self.twin.optimizer, self.twin.mode
+        return self.model, self.batch, self.optimizer, nullcontext()
+
+    def _plain_step(self, on_twin: bool) -> StepMemory:
+        """One tracked step without checkpointing (FLOPs counted), on the twin or the model."""
+        twin = self.twin if on_twin else None
+        model = twin.model if twin is not None else self.model
+        batch = twin.batch if twin is not None else self.batch
+        optimizer = twin.optimizer if twin is not None else self.optimizer
+        with twin.mode if twin is not None else nullcontext():
+            create_optimizer_state(model, optimizer)
+            uncheckpoint(model)
+            model.train()
+            # NOTE: a twin's failure is no verdict on the batch: the real step that follows judges it
+            checked = batch_errors(model, batch) if twin is None else nullcontext()
+            with checked, chain_probe(model, self.blocks) as probe:
+                mem = phased_step(
+                    model, batch, self.loss_fn, optimizer, self.precision, self.blocks, count_flops=True
+                )
+            self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
+        self.links = probe.links
+        return mem
+
+    def estimated_peak(self) -> int | None:
+        """The plain step's peak under fake tensors (nothing allocated), or None where the model
+        cannot run on a fake twin (``twin_error`` says why); measured once and kept."""
+        if self.twin is None and not self.twin_error:
+            started = time.perf_counter()
+            try:
+                self.twin = make_twin(self.model, self.optimizer, self.batch)
+                self.estimate = self._plain_step(on_twin=True)
+            except Exception as exc:  # NOTE: whatever a fake twin cannot do, a real step may
+                self.twin, self.twin_error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                return None
+            seconds = time.perf_counter() - started
+            self.measured.append(
+                f"1 step at {self.precision.mode} without checkpointing under fake tensors, all "
+                f"{len(self.blocks)} blocks, FLOPs counted, nothing allocated ({seconds:.2f} s)"
+            )
+        return self.estimate.peak if self.estimate is not None else None
+
+    def plain_fits(self) -> bool:
+        """Whether the plain step fits the device's room now (unknown room or estimate: True)."""
+        peak = self.estimated_peak()
+        if self.room is None:  # NOTE: read after the fake step, which loads what a first step needs
+            self.room = room(device_of(self.model))
+        if self.room is None or peak is None or self.estimate is None:
+            return True
+        return self.room.fits(peak - self.estimate.start)
 
     def none(self) -> StepMemory:
-        """One tracked step without checkpointing: memory, FLOPs, chain links (the batch is checked)."""
+        """The plain step's memory, FLOPs and chain links: tracked for real where it fits the
+        device's room, else under fake tensors (``fake`` is then True; the batch is checked)."""
         create_optimizer_state(self.model, self.optimizer)
-        uncheckpoint(self.model)
-        self.model.train()
-        started = time.perf_counter()
-        with batch_errors(self.model, self.batch), chain_probe(self.model, self.blocks) as probe:
-            mem = phased_step(
-                self.model,
-                self.batch,
-                self.loss_fn,
-                self.optimizer,
-                self.precision,
-                self.blocks,
-                count_flops=True,
+        if self.plain_fits():
+            started = time.perf_counter()
+            try:
+                mem = self._plain_step(on_twin=False)
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                if self.estimate is None:
+                    raise OutOfMemory(self._full_message(exc)) from None
+                uncheckpoint(self.model)
+                self.failed.add(("none", 1))
+                self.measured.append(
+                    "the step without checkpointing ran out of memory: measured under fake tensors"
+                )
+                return self.use_estimate()
+            self.measured.append(
+                f"1 tracked step at {self.precision.mode} without checkpointing, all {len(self.blocks)} "
+                f"blocks, FLOPs counted ({time.perf_counter() - started:.2f} s)"
             )
-        self.memory["none"] = mem
-        self.links = probe.links
-        # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
-        self.stand_in = stand_ins(self.model, self.blocks, probe.keeps_shape) if self.blocks else {}
-        self.flops = block_flops(mem.forward_flops, mem.total_flops, type(self.model).__name__, self.blocks)
+            self.memory["none"] = mem
+            self.flops = block_flops(
+                mem.forward_flops, mem.total_flops, type(self.model).__name__, self.blocks
+            )
+            return mem
+        assert self.room is not None and self.estimate is not None
         self.measured.append(
-            f"1 tracked step at {self.precision.mode} without checkpointing, all {len(self.blocks)} blocks, "
-            f"FLOPs counted ({time.perf_counter() - started:.2f} s)"
+            f"the step without checkpointing ({format_bytes(self.estimate.peak)} under fake tensors) does "
+            f"not fit the room of {format_bytes(self.room.free)} ({self.room.source}): steps' memory is "
+            "measured under fake tensors"
         )
+        return self.use_estimate()
+
+    def use_estimate(self) -> StepMemory:
+        """Take the fake-tensor plain step (:meth:`estimated_peak` ran) as the plain step's memory:
+        every later memory step runs on the twin."""
+        mem = self.estimate
+        assert mem is not None
+        self.memory["none"], self.fake = mem, True
+        self.flops = block_flops(mem.forward_flops, mem.total_flops, type(self.model).__name__, self.blocks)
         return mem
+
+    def _full_message(self, exc: BaseException) -> str:
+        free = format_bytes(self.room.free) if self.room is not None else "unknown"
+        why = f" and fake tensors could not run it ({self.twin_error})" if self.twin_error else ""
+        return (
+            f"the step without checkpointing ran out of memory on {device_of(self.model)} (room "
+            f"{free}){why}: plan with a smaller batch (memfit scales a plan's micro-batches) or "
+            f"free the device ({type(exc).__name__})."
+        )
 
     def quick_peak(self) -> int | None:
         """The no-checkpointing peak from a step that runs only the distinct blocks (an estimate).
@@ -163,30 +269,67 @@ class Profiler:
         return simulate(prof, "none").peak_bytes
 
     def modes(self, modes: Sequence[str]) -> None:
-        """One tracked step per mode, identical blocks run once (the others pass through)."""
+        """One step per mode, identical blocks run once (the others pass through): tracked, or
+        on the fake twin where the plain step did not fit."""
+        modes = [m for m in modes if m not in self.memory]
         active = [b for b in self.blocks if b not in self.stand_in]
+        model, batch, optimizer, context = self._subject()
         started = time.perf_counter()
-        with skipping(self.model, list(self.stand_in)):
+        with context, skipping(model, list(self.stand_in)):
             for mode in modes:
-                set_block_modes(self.model, {b: mode for b in active})
-                with watch_copies(self.model, active, self.copied.setdefault(mode, {})):
+                set_block_modes(model, {b: mode for b in active})
+                with watch_copies(model, active, self.copied.setdefault(mode, {})):
                     self.memory[mode] = phased_step(
-                        self.model,
-                        self.batch,
-                        self.loss_fn,
-                        self.optimizer,
-                        self.precision,
-                        active,
-                        step_optimizer=False,
+                        model, batch, self.loss_fn, optimizer, self.precision, active, step_optimizer=False
                     )
-        uncheckpoint(self.model)
+            uncheckpoint(model)
         if modes:
+            how = "fake-tensor" if self.fake else "tracked"
             self.measured.append(
-                f"{len(modes)} tracked step(s) at {self.precision.mode} ({', '.join(modes)}), "
+                f"{len(modes)} {how} step(s) at {self.precision.mode} ({', '.join(modes)}), "
                 f"{len(active)} of {len(self.blocks)} blocks run ({time.perf_counter() - started:.2f} s)"
             )
 
-    def _timed(self, mode: str) -> tuple[float, float, float]:
+    def _timing_config(self) -> tuple[str, int]:
+        """The (mode, micro-batches) whole steps are timed in: the plain step where it fits,
+        else split into the fewest micro-batches that fit, else fully checkpointed.
+
+        See Note [timing a step that does not fit].
+        """
+        if ("none", 1) not in self.failed and (not self.fake or self.room is None):
+            return "none", 1
+        if "full" not in self.memory and self.blocks:
+            self.modes([m for m in CHECKPOINT_MODES if m != "none"])
+        prof = self._memory_profile()
+        start, rows = self.memory["none"].start, batch_size(self.batch)
+        # the plain step in micro-batches first (the same work), then fully checkpointed
+        for mode in [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]:
+            k = 2 if mode == "none" else 1
+            while k <= rows:
+                fits = self.room is None or self.room.fits(simulate(prof, mode, k).peak_bytes - start)
+                if fits and (mode, k) not in self.failed:
+                    return mode, k
+                k *= 2
+        least = (
+            min(simulate(prof, m, rows).peak_bytes for m in prof.blocks[0].saved_bytes) if prof.blocks else 0
+        )
+        free = f"{format_bytes(self.room.free)} ({self.room.source})" if self.room else "unknown"
+        raise OutOfMemory(
+            f"no step of {type(self.model).__name__} on this batch fits {device_of(self.model)}'s room of "
+            f"{free}: even one sample at a time (every "
+            f"block checkpointed) needs {format_bytes(max(0, least - start))} more, with memfit's margin "
+            f"{format_bytes(room_needed(max(0, least - start)))}; free the device or use a smaller model or "
+            "sequence."
+        )
+
+    # Note [timing a step that does not fit]
+    # The time model needs a whole step's forward and backward seconds. Where the plain step
+    # does not fit, it is timed split into micro-batches (the same work: the step model holds
+    # a step's time independent of its micro-batches) or, failing that, with every block fully
+    # checkpointed, whose backward less the blocks' recompute (fitted to the heaviest block
+    # run alone, see block_timing) is the plain backward.
+
+    def _timed(self, mode: str, micro_batches: int = 1) -> tuple[float, float, float]:
         """(forward, backward, whole) seconds of one step with every block in ``mode``."""
         device = device_of(self.model)
         marks: dict[str, float] = {}
@@ -206,29 +349,58 @@ class Profiler:
             self.loss_fn,
             self.optimizer,
             self.precision,
+            micro_batches,
             after_forward=lambda: mark("forward"),
             after_backward=lambda: mark("backward"),
         )
         mark("end")
         uncheckpoint(self.model)
-        return (
-            marks["forward"] - marks["start"],
-            marks["backward"] - marks["forward"],
-            marks["end"] - marks["start"],
-        )
+        forward = (marks["forward"] - marks["start"]) * micro_batches  # the first part's, times the parts
+        return forward, marks["backward"] - marks["start"] - forward, marks["end"] - marks["start"]
+
+    def _timed_steps(self, n: int, capture: str = "") -> tuple[list[tuple[float, float, float]], BlockInputs]:
+        """``n`` timed steps in the timing configuration, keeping block ``capture``'s inputs; a
+        configuration that runs out of memory (what the estimate did not see: libraries loaded,
+        the allocator's slack) gives way to the next smaller one."""
+        while True:
+            self.timing = self._timing_config()
+            try:
+                with (
+                    capture_block_inputs(self.model, capture)
+                    if capture
+                    else nullcontext(BlockInputs()) as seen
+                ):
+                    return [self._timed(*self.timing) for _ in range(n)], seen
+            except Exception as exc:
+                if not is_out_of_memory(exc):
+                    raise
+                uncheckpoint(self.model)
+                self.failed.add(self.timing)
+                self.measured.append(
+                    f"a step timed{self._describe_timing() or ' without checkpointing'} ran out of memory: "
+                    "timing a smaller one"
+                )
+
+    def _describe_timing(self) -> str:
+        mode, k = self.timing
+        if (mode, k) == ("none", 1):
+            return ""
+        parts = f" in {k} micro-batches" if k > 1 else ""
+        how = "without checkpointing" if mode == "none" else "with every block fully checkpointed"
+        return f" {how}{parts} (the plain step does not fit)"
 
     def time(self, repeats: int) -> None:
-        """Time ``repeats`` whole steps without checkpointing, and micro-benchmark the device."""
+        """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
         started = time.perf_counter()
-        self.times += [self._timed("none") for _ in range(repeats)]
+        self.times += self._timed_steps(repeats)[0]
         self.speed = measure_speed(device_of(self.model), self.precision)
         self.measured.append(
-            f"{repeats} timed step(s) at {self.precision.mode} and micro-benchmarks "
-            f"({time.perf_counter() - started:.2f} s)"
+            f"{repeats} timed step(s) at {self.precision.mode}{self._describe_timing()} and "
+            f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
         )
 
     def time_checkpointed(self, steps: int, rounds: int = BLOCK_ROUNDS) -> None:
-        """Time ``steps`` more whole steps without checkpointing, and the heaviest distinct
+        """Time ``steps`` more whole steps (as :meth:`time` does), and the heaviest distinct
         block alone, ``rounds`` times in each measured mode side by side: what a recompute
         and selective checkpointing cost on this model (a whole step's noise is as large as
         one block's recompute)."""
@@ -237,27 +409,33 @@ class Profiler:
         started = time.perf_counter()
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
-        with capture_block_inputs(self.model, heaviest) as seen:
-            self.times += [self._timed("none") for _ in range(max(1, steps))]
+        times, seen = self._timed_steps(max(1, steps), heaviest)
+        self.times += times
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
         extras, why = (
             ({}, "")
             if len(modes) == 1
             else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast)
         )
-        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}"
+        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{self._describe_timing()}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
         elif extras:
-            self.timed_block, self.extras = heaviest, extras
+            # the block ran on one micro-batch's inputs: its extras scale to the whole batch
+            k = self.timing[1]
+            self.timed_block, self.extras = heaviest, {m: [t * k for t in ts] for m, ts in extras.items()}
             what += f" and {heaviest} alone {rounds} times in each of {', '.join(modes)}"
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
+    def _memory_profile(self) -> Profile:
+        model = self.twin.model if self.fake and self.twin is not None else self.model
+        return profile_from_memory(
+            model, self.blocks, self.memory, self.precision.mode, batch_size(self.batch), self.stand_in
+        )
+
     def result(self) -> Profile:
         """The :class:`memfit.Profile` of what was measured."""
-        prof = profile_from_memory(
-            self.model, self.blocks, self.memory, self.precision.mode, batch_size(self.batch), self.stand_in
-        )
+        prof = self._memory_profile()
         prof.chain_links = list(self.links)
         for st in [*prof.blocks, prof.outside]:
             f = self.flops.get(st.name, BlockFlops())
@@ -270,20 +448,34 @@ class Profiler:
         prof.optimizer_bytes_by_dtype = optimizer_state_bytes(self.optimizer)
         prof.input_bytes = tensor_bytes(self.batch)
         prof.measured_peak_bytes = self.memory["none"].peak
+        prof.memory_from = "fake tensors" if self.fake else "tracked"
         if self.times:
-            fwd, bwd, step = (statistics.median(t[k] for t in self.times) for k in range(3))
-            prof.step_seconds = step
+            prof.step_seconds = statistics.median(t[2] for t in self.times)
         if self.speed is not None and self.times:
-            sp = Speed(**{**self.speed.to_dict(), "timed_steps": len(self.times)})
-            prof.speed = sp
-            work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
-            sp.forward_scale, sp.backward_scale = fwd / work, bwd / work
-            if self.extras:
-                fit_prices(prof, self.timed_block, self.extras)
-            fill_times(prof)
+            self._fit_time_model(prof)
         prof.notes = ([time_note(prof)] if prof.speed is not None else []) + list(self.notes())
         prof.notes += inplace_notes(self.copied, self.stand_in, self.blocks)
         return prof
+
+    def _fit_time_model(self, prof: Profile) -> None:
+        """Scale the counted work to the timed steps (see Note [timing a step that does not fit])."""
+        assert self.speed is not None
+        fwd, bwd = (statistics.median(t[k] for t in self.times) for k in range(2))
+        sp = Speed(**{**self.speed.to_dict(), "timed_steps": len(self.times)})
+        prof.speed = sp
+        work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
+        sp.forward_scale = fwd / work
+        if self.extras:
+            fit_prices(prof, self.timed_block, self.extras)
+        if self.timing[0] == "full":
+            recompute = sum(
+                sp.forward_scale * sp.recompute_scale * forward_work(prof, b) + sp.checkpoint_seconds
+                for b in prof.blocks
+            )
+            bwd, prof.step_seconds = max(0.0, bwd - recompute), max(0.0, prof.step_seconds - recompute)
+        sp.backward_scale = bwd / work
+        sp.timed_as = self._describe_timing().strip()
+        fill_times(prof)
 
     def notes(self) -> list[str]:
         if self.blocks:
@@ -292,6 +484,42 @@ class Profiler:
             f"{type(self.model).__name__} has no repeated blocks (find_blocks found none); it is profiled "
             "as one part, 'outside', and checkpointing cannot be planned for it."
         ]
+
+
+def memory_profile(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: str | Precision = "fp32",
+) -> Profile:
+    """Every checkpointing mode's memory, measured under fake tensors: nothing is allocated,
+    nothing timed (the profile has no time model).
+
+    What the largest-batch search probes with. Where the model cannot run on a fake twin
+    (a forward that reads values), it is :func:`profile` with one timed step, which runs
+    real steps only where they fit (a step that runs out of memory raises
+    :class:`memfit.errors.OutOfMemory`).
+
+    Example:
+        >>> import torch
+        >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+        >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+        >>> x = torch.randint(0, 256, (2, 16))
+        >>> fake = memory_profile(model, (x, x), gpt_loss)
+        >>> real = profile(model, (x, x), gpt_loss, repeats=1)
+        >>> fake.memory_from, fake.measured_peak_bytes == real.measured_peak_bytes
+        ('fake tensors', True)
+    """
+    prec = as_precision(precision, device=device_of(model))
+    with preserved(model, optimizer):
+        prof = Profiler(model, batch, loss_fn, optimizer, prec)
+        create_optimizer_state(model, optimizer)
+        if prof.estimated_peak() is not None:
+            prof.use_estimate()
+            prof.modes([m for m in CHECKPOINT_MODES if m != "none"] if prof.blocks else [])
+            return prof.result()
+    return profile(model, batch, loss_fn, optimizer, prec, repeats=1)
 
 
 def profile(

@@ -10,9 +10,14 @@ extrapolated linearly (activations grow with the batch, parameters and optimizer
 not), so a search takes a handful of profiles. The answer is then planned by
 :func:`memfit.planning.planner.plan`, measured, and returned with ``Plan.batch_size``.
 
-Trade-off: every probe runs real steps at its batch (profiling measures each mode), so
-probing costs a few seconds each and, on a device whose memory is near the budget, a probe
-that does not fit may run out of memory: that counts as not fitting.
+Each probe measures every mode's memory under fake tensors
+(:func:`memfit.measuring.profile.memory_profile`): nothing is allocated, so probing a batch
+far larger than the device holds costs a fraction of a step and no memory; a budget larger
+than the device has room for is refused before the first probe.
+
+Trade-off: only the answer is planned and measured for real; a model that cannot run on
+fake tensors is probed with real steps that fit the device (one that runs out of memory
+counts as not fitting).
 
 Example:
     >>> import torch
@@ -34,9 +39,9 @@ import torch
 from torch import nn
 
 from memfit.budget import Budget, format_bytes
+from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget
-from memfit.measuring.memory import measure
-from memfit.measuring.profile import profile
+from memfit.measuring.profile import memory_profile
 from memfit.planning import planner
 from memfit.planning.solver import minimum_peak, solve
 from memfit.records import Plan, Profile
@@ -127,15 +132,12 @@ def largest_batch(
     def profiles_at(n: int) -> dict[str, Profile]:
         if n not in cache:
             sized = resize_batch(batch, n)
-            cache[n] = {p: profile(model, sized, loss_fn, optimizer, p, repeats=1) for p in wanted}
+            cache[n] = {p: memory_profile(model, sized, loss_fn, optimizer, p) for p in wanted}
         return cache[n]
 
     given = batch_size(batch)
-    baseline = 0
-    if spec.is_fraction:
-        base = profiles_at(given).get("fp32")
-        baseline = base.measured_peak_bytes if base else measure(model, batch, loss_fn, optimizer).peak_bytes
-    budget_bytes = spec.resolve(baseline)
+    base = profiles_at(given).get("fp32") if spec.is_fraction else None
+    budget_bytes = _budget_bytes(model, batch, loss_fn, optimizer, spec, base)
     verdicts: dict[int, bool] = {}
 
     def fits(n: int) -> bool:
@@ -155,10 +157,11 @@ def largest_batch(
     else:
         lo, hi = 0, given
     lo, hi = _bracket(fits, lo, hi, order)
+    reasons: list[str] = []
     while True:
         if lo < 1:
-            _refuse(profiles_at(1), budget_bytes)
-        result = _plan_at(model, batch, loss_fn, budget_bytes, optimizer, wanted, lo, check)
+            _refuse(profiles_at(1), budget_bytes, reasons)
+        result = _plan_at(model, batch, loss_fn, budget_bytes, optimizer, wanted, lo, check, reasons)
         if result is not None:
             break
         # NOTE: predicted to fit but measured over (or only with micro-batches): go lower.
@@ -173,6 +176,28 @@ def largest_batch(
         )
         result.notes.append(f"largest batch computed at once: {lo}; a batch of {hi} {why}")
     return result
+
+
+def _budget_bytes(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    spec: Budget,
+    base: Profile | None,
+) -> int:
+    """The budget in bytes, refused where it is more than the device holds (before any probe)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    r, held = room(device), planner.held_bytes(model, optimizer)
+    if spec.bytes is not None:
+        planner.refuse_over_room(spec.bytes, spec, r, held, device)
+    baseline = 0
+    if spec.is_fraction:
+        base = base or memory_profile(model, batch, loss_fn, optimizer, "fp32")
+        baseline = base.measured_peak_bytes
+    budget_bytes = spec.resolve(baseline, room=held + r.usable if r is not None else None)
+    planner.refuse_over_room(budget_bytes, spec, r, held, device)
+    return budget_bytes
 
 
 def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) -> tuple[int, int]:
@@ -201,8 +226,10 @@ def _plan_at(
     wanted: list[str],
     n: int,
     check: bool,
+    why: list[str],
 ) -> Plan | None:
-    """The planner's plan at batch ``n``, or None if it needs micro-batches once measured.
+    """The planner's plan at batch ``n``, or None if it needs micro-batches once measured
+    (``why`` then receives the planner's reason, if it refused).
 
     # NOTE: the probes' profiles time one step per mode (their bytes are exact, their times
     # noisy); the answer is profiled again with the usual repeats, so that the planner
@@ -211,13 +238,21 @@ def _plan_at(
     try:
         sized = resize_batch(batch, n)
         result = planner.plan(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
-    except (InfeasibleBudget, torch.OutOfMemoryError):
+    except (InfeasibleBudget, torch.OutOfMemoryError) as exc:
+        why[:] = [str(exc).rstrip(".")]
         return None
     return result if result.micro_batches == 1 else None
 
 
-def _refuse(profiles: Mapping[str, Profile], budget_bytes: int) -> None:
+def _refuse(profiles: Mapping[str, Profile], budget_bytes: int, why: Sequence[str] = ()) -> None:
     least = min(minimum_peak(p, 1).peak_bytes for p in profiles.values())
+    if least <= budget_bytes and why:
+        raise InfeasibleBudget(
+            f"a batch of one is predicted to fit the budget of {format_bytes(budget_bytes)} (its smallest "
+            f"peak is {format_bytes(least)}) but could not be planned here: {why[-1]}.",
+            minimum_bytes=least,
+            budget_bytes=budget_bytes,
+        )
     raise InfeasibleBudget(
         f"not even a batch of one fits the budget of {format_bytes(budget_bytes)}: its smallest "
         f"predicted peak is {format_bytes(least)}; raise the budget or shorten the sequence.",
@@ -230,7 +265,7 @@ def plan(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: int | str | Budget,
+    budget: int | str | Budget = "device",
     optimizer: torch.optim.Optimizer | None = None,
     precision: str | Sequence[str] = "auto",
     *,
@@ -246,7 +281,9 @@ def plan(
         model: the model (its current checkpointing is put back afterwards).
         batch: a representative batch (its size is the batch a training step uses).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-        budget: int bytes, ``"6GiB"``, ``"500MB"`` or ``"60%"`` of the fp32 no-checkpointing peak.
+        budget: int bytes, ``"6GiB"``, ``"500MB"``, ``"60%"`` of the fp32 no-checkpointing peak, or
+            ``"device"`` (the default): what the device has room for now, less a margin
+            (:class:`memfit.devices.Room`); a budget larger than the room is refused.
         optimizer: the optimizer training will use (its state and step count).
         precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.

@@ -42,9 +42,11 @@ from torch import nn
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
-from memfit.errors import InfeasibleBudget
+from memfit.devices import Room, room
+from memfit.errors import ConfigError, InfeasibleBudget, is_out_of_memory
 from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
+from memfit.measuring.phases import optimizer_state_bytes
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
@@ -57,7 +59,7 @@ from memfit.step import Batch, LossFn, training_step
 from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["candidate_precisions", "plan", "plan_from_profiles"]
+__all__ = ["candidate_precisions", "held_bytes", "plan", "plan_from_profiles", "refuse_over_room"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
@@ -73,13 +75,27 @@ def _device(model: nn.Module) -> torch.device:
 
 def _fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Parameters and buffers + gradients of trainable parameters + optimizer state."""
-    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    state = 0
-    if optimizer is not None:
-        for per in optimizer.state.values():
-            state += sum(v.numel() * v.element_size() for v in per.values() if isinstance(v, torch.Tensor))
-    return params + grads + state
+    return held_bytes(model, optimizer) + grads
+
+
+def refuse_over_room(budget_bytes: int, budget: Budget, r: Room | None, held: int, device: object) -> None:
+    """Refuse, in one sentence naming both, a budget larger than the device can hold: the
+    bytes ``held`` now (weights, buffers, optimizer state) plus the room ``r`` (None: unknown)."""
+    if r is None or budget_bytes <= held + r.free:
+        return
+    of = f" ({budget} of the fp32 peak)" if budget.is_fraction else ""
+    raise ConfigError(
+        f"the budget of {format_bytes(budget_bytes)}{of} is more than {device} has room for: "
+        f"{format_bytes(held + r.free)} ({format_bytes(held)} of weights and optimizer state held now "
+        f"and {format_bytes(r.free)} free by {r.source}); give at most that, or 'device'."
+    )
+
+
+def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
+    """Parameters and buffers + optimizer state: what a step starts with."""
+    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return params + sum(optimizer_state_bytes(optimizer).values())
 
 
 class _Planner:
@@ -103,6 +119,11 @@ class _Planner:
         """Measure every mode even where the budget needs none (a later re-plan may need them)."""
         self.levers: list[str] = []
         """Levers the plan may use (:mod:`memfit.planning.levers`)."""
+        self.room: Room | None = None
+        """The device's room when planning began (None: unknown); each profiler reads the room
+        its own steps have."""
+        self.held = 0
+        """Bytes of weights, buffers and optimizer state held when the room was read."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = _fixed_bytes(self.model, self.optimizer)
@@ -115,11 +136,22 @@ class _Planner:
             message = fixed_bytes_message(fixed, budget_bytes, name, detail)
             raise InfeasibleBudget(message, fixed, budget_bytes)
 
+    def _refuse_over_room(self, budget_bytes: int) -> None:
+        refuse_over_room(budget_bytes, self.budget, self.room, self.held, _device(self.model))
+
+    def resolve(self, peak: int) -> int:
+        """The budget in bytes (a percentage of ``peak``; ``"device"``: the room less its margin)."""
+        usable = self.held + self.room.usable if self.room is not None else None
+        budget_bytes = self.budget.resolve(peak, room=usable)
+        self._refuse_over_room(budget_bytes)
+        return budget_bytes
+
     def profiles(self) -> dict[str, Profile]:
         create_optimizer_state(self.model, self.optimizer)
-        if not self.budget.is_fraction:
-            self._refuse_fixed(self.budget.resolve(None))
         device = _device(self.model)
+        if self.budget.bytes is not None:
+            self._refuse_over_room(self.budget.bytes)
+            self._refuse_fixed(self.budget.bytes)
         profilers = {
             p: Profiler(self.model, self.batch, self.loss_fn, self.optimizer, Precision(p, device=device))
             for p in self.wanted
@@ -128,12 +160,13 @@ class _Planner:
             self.model, self.batch, self.loss_fn, self.optimizer, Precision("fp32", device=device)
         )
         if self.budget.is_fraction:
-            estimate = base.quick_peak()
+            estimate = base.estimated_peak() if self.room is not None else None
+            estimate = estimate if estimate is not None else base.quick_peak()
             # NOTE: refused on the estimate only with a 5% margin; otherwise the measured peak decides
             if estimate is not None:
                 self._refuse_fixed(self.budget.resolve(int(estimate * 1.05)), estimated=estimate)
         peak = base.none().peak
-        self.budget_bytes = self.budget.resolve(peak)
+        self.budget_bytes = self.resolve(peak)
         self._refuse_fixed(self.budget_bytes)
         done: dict[str, Profile] = {}
         for p, prof in profilers.items():
@@ -176,7 +209,7 @@ class _Planner:
         margin = 0
         segments = True
         for _ in range(_CHECKS):
-            measured, same_loss = self._measure(result)
+            measured, same_loss = self._measure_in_room(result, budget)
             result.measured_peak_bytes = measured
             if not same_loss:
                 self.measured.append(
@@ -207,6 +240,21 @@ class _Planner:
             budget_bytes=budget,
         )
 
+    def _measure_in_room(self, result: Plan, budget: int) -> tuple[int, bool]:
+        """:meth:`_measure`, where running out of memory reads as 10% over the budget (so the
+        re-plan is tighter) rather than an error."""
+        try:
+            return self._measure(result)
+        except Exception as exc:
+            if not is_out_of_memory(exc):
+                raise
+            uncheckpoint(self.model)
+            self.measured.append(
+                f"the chosen plan (predicted {format_bytes(result.predicted_peak_bytes)}) ran out of memory "
+                "when measured: planning again 10% tighter"
+            )
+            return budget + max(1, budget // 10), True
+
     def _measure(self, result: Plan) -> tuple[int, bool]:
         """One tracked step of the applied plan; with segments, also whether the loss is unchanged."""
         prec = Precision(result.precision, device=_device(self.model))
@@ -229,11 +277,25 @@ class _Planner:
         return watch.peak_bytes, same
 
 
+def _room_notes(r: Room | None, profiles: Mapping[str, Profile]) -> list[str]:
+    """What was estimated rather than measured, because the plain step does not fit the room."""
+    out = []
+    for p, prof in profiles.items():
+        if prof.memory_from != "tracked":
+            free = f"{format_bytes(r.free)} free by {r.source}" if r is not None else "the device's room"
+            out.append(
+                f"{p}: the step without checkpointing ({format_bytes(prof.measured_peak_bytes)}) does not "
+                f"fit {free}: every step's memory was measured on a fake-tensor twin (nothing allocated), "
+                "step times from steps that fit, and the plan itself measured for real."
+            )
+    return out
+
+
 def plan(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: int | str | Budget,
+    budget: int | str | Budget = "device",
     optimizer: torch.optim.Optimizer | None = None,
     precision: str | Sequence[str] = "auto",
     *,
@@ -249,7 +311,9 @@ def plan(
         model: the model (its current checkpointing is put back afterwards).
         batch: a representative batch (its size is the batch a training step uses).
         loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-        budget: int bytes, ``"6GiB"``, ``"500MB"`` or ``"60%"`` of the fp32 no-checkpointing peak.
+        budget: int bytes, ``"6GiB"``, ``"500MB"``, ``"60%"`` of the fp32 no-checkpointing peak, or
+            ``"device"`` (the default): what the device has room for now, less a margin
+            (:class:`memfit.devices.Room`); a budget larger than the room is refused.
         optimizer: the optimizer training will use (its state and step count).
         precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.
@@ -278,18 +342,22 @@ def plan(
     allowed, refused = resolve_levers(levers, device, optimizer, precision)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     before = checkpointed_blocks(model)
+    # NOTE: read before measuring's snapshot of the weights (on a CPU it takes room the
+    # training steps will have): what a step may hold is what is held now plus the room
+    capacity = room(device), held_bytes(model, optimizer)
     try:
         uncheckpoint(model)
         with preserved(model, optimizer):
             planner = _Planner(model, batch, loss_fn, optimizer, wanted, spec)
+            planner.room, planner.held = capacity
             planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
             planner.levers = allowed
             if profiles is not None and all(p in profiles for p in wanted):
                 profs = {p: profiles[p] for p in wanted}
                 base = profs.get("fp32", next(iter(profs.values())))
                 planner.baseline = (base.measured_peak_bytes, base.step_seconds)
-                planner.budget_bytes = spec.resolve(base.measured_peak_bytes)
                 create_optimizer_state(model, optimizer)
+                planner.budget_bytes = planner.resolve(base.measured_peak_bytes)
                 planner.measured.append("planned from the profiles given")
             else:
                 profs = planner.profiles()
@@ -308,9 +376,11 @@ def plan(
             if check:
                 result = planner.check(used, result)
         result.budget_bytes = planner.budget_bytes
-        result.notes = plan_notes(model, result, profs) + [
-            f"lever {n} not used: {w}" for n, w in refused.items()
-        ]
+        result.notes = (
+            plan_notes(model, result, profs)
+            + _room_notes(planner.room, profs)
+            + [f"lever {n} not used: {w}" for n, w in refused.items()]
+        )
         result.measured = planner.measured
         result.planning_seconds = time.perf_counter() - started
         return result

@@ -125,6 +125,9 @@ class Speed(Record):
     selective_steps: int = 0
     """Runs of ``timed_block`` alone, selectively checkpointed and not, that fit
     ``selective_op_seconds`` (0: the micro-benchmark's)."""
+    timed_as: str = ""
+    """How the whole steps were timed where the plain step did not fit ("" : plain), e.g.
+    ``"without checkpointing in 4 micro-batches (the plain step does not fit)"``."""
 
 
 @dataclass
@@ -172,7 +175,11 @@ class Profile(Record):
     """Bytes of the batch's tensors. MemTracker on a CPU counts the model's input tensor
     (in ``outside_before_bytes``) but not tensors only the loss function reads."""
     measured_peak_bytes: int = 0
-    """Peak of the model with no checkpointing, measured by :func:`memfit.measure`."""
+    """Peak of the model with no checkpointing, measured by :func:`memfit.measure` (or, where
+    ``memory_from`` says so, under fake tensors)."""
+    memory_from: str = "tracked"
+    """Where the memory numbers come from: ``"tracked"`` (real steps, PyTorch's MemTracker) or
+    ``"fake tensors"`` (the same steps on a fake twin: the plain step does not fit the device)."""
     step_seconds: float = 0.0
     """Median step time of the model with no checkpointing."""
     outside_before_bytes: int = 0

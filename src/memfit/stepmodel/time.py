@@ -173,6 +173,7 @@ def time_note(profile: Profile) -> str:
         f"{sp.byte_seconds * 1e9:.3g} s/GB and aten ops at {sp.op_seconds * 1e6:.3g} us each "
         f"(micro-benchmarks on {profile.device}), scaled x{sp.forward_scale:.3g} (forward) and "
         f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps"
+        + (f" {sp.timed_as}" if sp.timed_as else "")
         + (
             f", a recompute at x{sp.recompute_scale:.3g} of that forward (fitted to {sp.timed_block} run "
             f"alone {sp.full_steps} times with and without checkpointing)"

@@ -32,9 +32,10 @@ from torch import nn
 
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks
+from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
-from memfit.planning.planner import candidate_precisions, plan_from_profiles
+from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
 from memfit.segments import applied_segments
@@ -64,7 +65,10 @@ def _plan_rank(
     base = ranked.get("fp32")
     baseline = simulate(base, "none").peak_bytes if base is not None else 0
     seconds = base.step_seconds if base is not None else 0.0
-    result = plan_from_profiles({p: ranked[p] for p in wanted}, budget.resolve(baseline), baseline, seconds)
+    r = room(device)  # NOTE: read before sharding: what this rank holds now plus its room (conservative)
+    capacity = held_bytes(model, optimizer) + r.usable if r is not None else None
+    budget_bytes = budget.resolve(baseline, room=capacity)
+    result = plan_from_profiles({p: ranked[p] for p in wanted}, budget_bytes, baseline, seconds)
     result.notes.append(
         f"{ctx.mode} over {ctx.world_size} processes: planned on rank 0 for one rank's memory "
         "(memfit.planning.sharding); each rank's peak is measured during training"

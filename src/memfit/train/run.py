@@ -202,6 +202,7 @@ def _train_joined(
     settings = run_settings(cfg, trainer, built.n_params, built.data_text, built.checkpointing_text)
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
     notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
+    notes += [f"planning: {m}" for m in built.plan.measured] if built.plan is not None else []
     breakdown = trainer.memory.breakdown if trainer.memory else None
     files.update(training_plots(out, history, breakdown, built.budget, f"memfit train: {cfg.model.name}"))
     images = [files[k].name for k in ("loss", "memory") if k in files]

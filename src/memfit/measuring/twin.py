@@ -1,0 +1,84 @@
+"""A fake-tensor twin of a real model, its optimizer and a batch: a step measured, nothing allocated.
+
+Planning a step that does not fit the device cannot run it. The twin is a copy of the model
+whose parameters and buffers are ``FakeTensor``s of the same shapes, dtypes and devices
+(PyTorch's ``FakeTensorMode``: no storage), with an optimizer of the same class and
+hyper-parameters over them; the same :func:`memfit.measuring.phases.phased_step` then runs
+on it under the same MemTracker accounting a real step has, so its bytes are what the real
+step would hold (:mod:`memfit.measuring.estimate` does the same for a model built from its
+constructor).
+
+Trade-off: nothing is computed, so a model whose forward reads tensor values (a
+data-dependent branch, ``.item()``) cannot run on a twin; :func:`make_twin` or the step
+then fails, and the caller measures for real where that fits (the error says why).
+
+Example:
+    >>> import torch
+    >>> from memfit.precision import Precision
+    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.measuring.phases import phased_step
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> twin = make_twin(model, None, (x, x))
+    >>> with twin.mode:
+    ...     fake = phased_step(twin.model, twin.batch, gpt_loss, None, Precision("fp32"), [])
+    >>> real = phased_step(model, (x, x), gpt_loss, None, Precision("fp32"), [])
+    >>> fake.peak == real.peak
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map_only
+
+from memfit.step import Batch
+
+__all__ = ["Twin", "make_twin"]
+
+
+@dataclass
+class Twin:
+    """The fake copies; run them inside ``with twin.mode:``."""
+
+    mode: FakeTensorMode
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    batch: Batch
+
+
+def _fake_optimizer(optimizer: torch.optim.Optimizer, fakes: dict[int, Any]) -> torch.optim.Optimizer:
+    """A new optimizer of the same class and per-group settings over the fake parameters."""
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [fakes[id(p)] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    return type(optimizer)(groups)  # type: ignore[call-arg]
+
+
+def make_twin(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Batch) -> Twin:
+    """The model, optimizer and batch copied to fake tensors (its optimizer state is not copied:
+    create it on the twin with :func:`memfit.measuring.preserve.create_optimizer_state`).
+
+    Raises:
+        Exception: whatever copying the model raises (an attribute that cannot be copied, a
+            tensor that is neither a parameter nor a buffer on a device fake tensors refuse).
+    """
+    mode = FakeTensorMode(allow_non_fake_inputs=False)
+    fakes: dict[int, Any] = {}
+    with mode:
+        for t in [*model.parameters(), *model.buffers()]:
+            f = mode.from_tensor(t)
+            fakes[id(t)] = (
+                nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+            )
+        fake_model = copy.deepcopy(model, dict(fakes))
+        fake_opt = _fake_optimizer(optimizer, fakes) if optimizer is not None else None
+    fake_batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
+    return Twin(mode, fake_model, fake_opt, fake_batch)

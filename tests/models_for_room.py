@@ -1,0 +1,60 @@
+"""Models the room tests plan under a memory limit: ``build(name) -> (model, batch, loss_fn)``.
+
+``gpt-6x384``: memfit's GPT, 6 layers x 384 wide, batch 16 x 256 (the issue's example; its
+plain fp32 AdamW step peaks at 769,342,264 B). ``gpt-4x128``: the same at 4 x 128, batch
+16 x 256, for the test suite (activations outweigh weights and optimizer state, as there).
+``hf-llama``: a Hugging Face ``LlamaForCausalLM`` from its config (``use_cache`` on, as the
+config makes it), trained through its own ``labels=`` loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+
+Built = tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]
+
+
+def _gpt(n_layer: int, n_embd: int, rows: int, seq: int) -> Built:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), block_size=seq))
+    x = torch.randint(0, 256, (rows, seq + 1), generator=torch.Generator().manual_seed(1))
+    return model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), gpt_loss
+
+
+def _lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss  # type: ignore[no-any-return]
+
+
+def _hf_llama() -> Built:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=2048,
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(cfg)
+    x = torch.randint(0, cfg.vocab_size, (8, 256), generator=torch.Generator().manual_seed(1))
+    return model, x, _lm_loss
+
+
+def build(name: str) -> Built:
+    """The named model, its batch and loss function (seeded: the same every call)."""
+    if name == "gpt-6x384":
+        return _gpt(6, 384, 16, 256)
+    if name == "gpt-4x128":
+        return _gpt(4, 128, 16, 256)
+    if name == "hf-llama":
+        return _hf_llama()
+    raise ValueError(f"unknown model {name!r}")

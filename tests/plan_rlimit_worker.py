@@ -1,0 +1,107 @@
+"""Run by ``test_plan_room.py`` (and ``benchmarks/bench_plan_room.py``) in a subprocess: plan a
+step that does not fit.
+
+Builds a model and its AdamW state, then lowers the process's address-space limit
+(``RLIMIT_AS``) to what is in use now plus ``--room`` times the plain step's peak (measured
+by the caller, unconstrained), plans at ``--budget`` times that peak, applies the plan with
+``memfit.prepare`` and trains three ``memfit.train_step``s under the limit. Prints one
+``RESULT {json}`` line: the plan, its prediction, the losses, whether the plain step fails
+under the limit (``--try-plain``), and what the planner measured.
+
+The environment must set ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_ARENA_MAX=1`` so the address
+space in use follows the tensors alive (see ``oom_rlimit_worker.py``). What a first step loads
+once per process (modules imported lazily: 68 MiB of address space for a Hugging Face model
+under fake tensors) is loaded before the limit, by one fake-tensor step on a batch of one: the
+limit is on the step's memory, not on the libraries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from typing import Any
+
+import torch
+from models_for_room import build
+
+import memfit
+from memfit.errors import is_out_of_memory
+from memfit.measuring.preserve import create_optimizer_state
+from memfit.measuring.profile import memory_profile
+from memfit.planning.maximize import resize_batch
+from memfit.precision import Precision
+from memfit.step import training_step
+
+
+def _address_space() -> int:
+    with open("/proc/self/status", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith("VmSize"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def _plain_fails(model: torch.nn.Module, batch: Any, loss_fn: Any, opt: torch.optim.Optimizer) -> bool:
+    try:
+        training_step(model, batch, loss_fn, opt, Precision("fp32"))
+    except Exception as exc:
+        if is_out_of_memory(exc):
+            return True
+        raise
+    return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument(
+        "--peak", type=int, required=True, help="the plain step's peak, measured unconstrained"
+    )
+    parser.add_argument("--room", type=float, default=0.60)
+    parser.add_argument("--budget", type=float, default=0.45)
+    parser.add_argument("--maximize", action="store_true")
+    parser.add_argument("--try-plain", action="store_true")
+    parser.add_argument("--bench", action="store_true", help="bench fp32/none and fp32/full instead")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    model, batch, loss_fn = build(args.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    create_optimizer_state(model, opt)
+    memory_profile(model, resize_batch(batch, 1), loss_fn, opt)  # loads what a first step needs
+    limit = _address_space() + int(args.room * args.peak)
+    _, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    if args.bench:
+        points = memfit.bench(model, batch, loss_fn, opt, strategies=["fp32/none", "fp32/full"], steps=1)
+        print("RESULT " + json.dumps({"points": [p.to_dict() for p in points]}))
+        return
+    started = time.perf_counter()
+    budget = int(args.budget * args.peak)
+    maximize = "batch_size" if args.maximize else None
+    p = memfit.plan(model, batch, loss_fn, budget, opt, precision="fp32", maximize=maximize)
+    seconds = time.perf_counter() - started
+    if maximize:
+        batch = resize_batch(batch, p.batch_size)
+    model, opt = memfit.prepare(model, opt, p)
+    steps = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        steps.append((memfit.train_step(model, batch, loss_fn, opt, p), time.perf_counter() - t0))
+    if args.try_plain:
+        memfit.uncheckpoint(model)
+    plain_fails = _plain_fails(model, batch, loss_fn, opt) if args.try_plain else None
+    result = {
+        "plan": p.to_dict(),
+        "planning_seconds": seconds,
+        "losses": [float(loss) for loss, _ in steps],
+        "step_seconds": [s for _, s in steps],
+        "plain_fails": plain_fails,
+        "budget_bytes": budget,
+    }
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
