@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU check: the GPU-marked tests, a real CUDA out-of-memory step that must be re-planned and
-# run again, compiled training beside the compiler's own activation_memory_budget, then
+# run again, a step that does not fit the capped allocator planned and trained, compiled training beside the compiler's own activation_memory_budget, then
 # `memfit bench` on a GPT-2-medium-sized built-in GPT
 # (24 layers, 1024 wide, 16 heads, sequence 1024, ~302M parameters) with fp32, bf16 and fp16
 # on CUDA, peaks from the CUDA allocator's statistics. Sized to finish in under 8 minutes on
@@ -10,13 +10,14 @@
 # Env:    PYTHON (default: .venv/bin/python if present, else python3) with a CUDA build of torch;
 #         BATCH (default 8), STEPS (default 3), STRATEGIES (default all 15).
 # Budget: GPU tests at most 120 s, the out-of-memory step at most 90 s (expected ~20 s: a GPT of
-#         25M parameters profiled once, then 2 + 3 + 5 training steps), offload at most 60 s
+#         25M parameters profiled once, then 2 + 3 + 5 training steps), the step that does not fit
+#         at most 90 s (expected ~20 s: an 8 x 512 GPT planned under fake tensors), offload at most 60 s
 #         (expected ~10 s: one forward and backward of a 6-layer GPT with and without offload), the
 #         compiled comparison at most 150 s (expected ~1-2 min: 8 variants of a 6 x 512 GPT compiled
 #         once each), the bench at most 330 s
 #         (expected ~3-4 min: 15 strategies, each copied to the GPU, warmed up, tracked, then 3
 #         interleaved timed steps).
-# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/offload-cuda.log, OUT_DIR/compile.md,
+# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/room-cuda.log (its RESULT line), OUT_DIR/offload-cuda.log, OUT_DIR/compile.md,
 #         OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
 #         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
 set -uo pipefail
@@ -37,7 +38,8 @@ fi
 status=0
 echo "== pytest -m gpu"
 start=$SECONDS
-timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider -k "not cuda_out_of_memory and not offload" 2>&1 \
+timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
+  -k "not cuda_out_of_memory and not offload and not cuda_step_that_does_not_fit" 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 # exit code 5: no test is marked gpu yet, which is not a failure of this check
@@ -51,6 +53,14 @@ timeout 90 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then echo "gpu_check: CUDA out-of-memory re-plan failed (exit $rc)"; status=1; fi
 echo "CUDA out-of-memory re-plan: $((SECONDS - start)) s"
+
+echo "== a step that does not fit: the allocator capped at half the plain step's extra bytes; plan, train"
+start=$SECONDS
+timeout 90 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
+  "tests/test_plan_room.py::test_a_cuda_step_that_does_not_fit_is_planned_and_trained" 2>&1 | tee "$OUT/room-cuda.log"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then echo "gpu_check: planning a step that does not fit failed (exit $rc)"; status=1; fi
+echo "planning a step that does not fit: $((SECONDS - start)) s"
 
 echo "== offload lever on CUDA: every block's saved activations in pinned host memory"
 start=$SECONDS

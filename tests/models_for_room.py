@@ -4,7 +4,8 @@
 plain fp32 AdamW step peaks at 769,342,264 B). ``gpt-4x128``: the same at 4 x 128, batch
 16 x 256, for the test suite (activations outweigh weights and optimizer state, as there).
 ``hf-llama``: a Hugging Face ``LlamaForCausalLM`` from its config (``use_cache`` on, as the
-config makes it), trained through its own ``labels=`` loss.
+config makes it), trained through its own ``labels=`` loss. ``reads-values``: residual MLP
+blocks behind a forward that reads a value, which fake tensors cannot run.
 """
 
 from __future__ import annotations
@@ -49,6 +50,38 @@ def _hf_llama() -> Built:
     return model, x, _lm_loss
 
 
+class ReadsValues(nn.Module):
+    """Residual MLP blocks behind a forward that reads a tensor's value (fake tensors cannot)."""
+
+    def __init__(self, width: int = 256, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+            for _ in range(depth)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.abs().sum()) == 0.0:  # a data-dependent branch
+            return x
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def _reads_values_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return nn.functional.mse_loss(model(batch[0]), batch[1])
+
+
+def _reads_values(rows: int = 4096) -> Built:
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    return (
+        ReadsValues(),
+        (torch.randn(rows, 256, generator=g), torch.randn(rows, 256, generator=g)),
+        _reads_values_loss,
+    )
+
+
 def build(name: str) -> Built:
     """The named model, its batch and loss function (seeded: the same every call)."""
     if name == "gpt-6x384":
@@ -57,4 +90,8 @@ def build(name: str) -> Built:
         return _gpt(4, 128, 16, 256)
     if name == "hf-llama":
         return _hf_llama()
+    if name == "reads-values":
+        return _reads_values()
+    if name == "reads-values-small":
+        return _reads_values(rows=1024)
     raise ValueError(f"unknown model {name!r}")

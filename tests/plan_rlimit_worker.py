@@ -27,7 +27,7 @@ import torch
 from models_for_room import build
 
 import memfit
-from memfit.errors import is_out_of_memory
+from memfit.errors import MemfitError, is_out_of_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.profile import memory_profile
 from memfit.planning.maximize import resize_batch
@@ -64,12 +64,13 @@ def main() -> None:
     parser.add_argument("--maximize", action="store_true")
     parser.add_argument("--try-plain", action="store_true")
     parser.add_argument("--bench", action="store_true", help="bench fp32/none and fp32/full instead")
+    parser.add_argument("--expect-error", action="store_true", help="print memfit's refusal as ERROR")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model, batch, loss_fn = build(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     create_optimizer_state(model, opt)
-    memory_profile(model, resize_batch(batch, 1), loss_fn, opt)  # loads what a first step needs
+    memory_profile(model, resize_batch(batch, 2), loss_fn, opt)  # loads what a first step needs
     limit = _address_space() + int(args.room * args.peak)
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
@@ -80,7 +81,13 @@ def main() -> None:
     started = time.perf_counter()
     budget = int(args.budget * args.peak)
     maximize = "batch_size" if args.maximize else None
-    p = memfit.plan(model, batch, loss_fn, budget, opt, precision="fp32", maximize=maximize)
+    try:
+        p = memfit.plan(model, batch, loss_fn, budget, opt, precision="fp32", maximize=maximize)
+    except MemfitError as exc:
+        if not args.expect_error:
+            raise
+        print("RESULT " + json.dumps({"error": str(exc), "kind": type(exc).__name__}))
+        return
     seconds = time.perf_counter() - started
     if maximize:
         batch = resize_batch(batch, p.batch_size)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_gpt, token_batch
+from models_for_room import build
 from room_helpers import (
     assert_planned_under_the_limit,
     linux_only,
@@ -69,6 +70,25 @@ def test_bench_reports_a_strategy_that_does_not_fit_without_running_it() -> None
     assert plain["error"].startswith("does not fit: estimated under fake tensors at")
     assert plain["peak_bytes"] == peak and not plain["step_times"]
     assert not full["error"] and full["peak_bytes"] < 0.6 * peak and full["step_times"]
+
+
+def test_a_model_fake_tensors_cannot_run_is_measured_for_real() -> None:
+    model, batch, loss_fn = build("reads-values-small")
+    p = memfit.plan(model, batch, loss_fn, "60%", precision="fp32")
+    assert any(m.startswith("fake tensors cannot run ReadsValues") for m in p.measured), p.measured
+    assert p.measured_peak_bytes <= p.budget_bytes and "full" in p.blocks.values()
+
+
+@pytest.mark.slow
+@linux_only
+def test_a_model_fake_tensors_cannot_run_and_that_does_not_fit_is_refused_in_one_sentence() -> None:
+    peak = plain_peak("reads-values")
+    result = run_worker("--model", "reads-values", "--peak", str(peak), "--expect-error")
+    assert result["kind"] == "OutOfMemory", result
+    message = result["error"]
+    assert message.startswith("the step without checkpointing ran out of memory on cpu (room ")
+    assert "fake tensors could not run it" in message and "smaller batch" in message
+    assert "\n" not in message
 
 
 def test_a_profile_whose_plain_step_does_not_fit_has_the_real_profiles_bytes() -> None:
@@ -189,3 +209,49 @@ def test_memfit_train_with_a_budget_trains_a_step_that_does_not_fit(tmp_path: Pa
     assert all(torch.isfinite(torch.tensor([m.loss for m in metrics])))
     report = (out / "report.md").read_text()
     assert "planning: the step without checkpointing" in report and "does not fit the room" in report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cuda_step_that_does_not_fit_is_planned_and_trained() -> None:
+    """The caching allocator is capped (``set_per_process_memory_fraction``) to what is held
+    plus half of the plain step's extra bytes; ``benchmarks/gpu_check.sh`` runs this."""
+    import math
+
+    from memfit.step import training_step
+    from memfit.train.gpt import GPT, GPTConfig
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8, block_size=512)).to(dev)
+    x = torch.randint(0, 256, (16, 513), generator=torch.Generator().manual_seed(1)).to(dev)
+    batch = (x[:, :-1].contiguous(), x[:, 1:].contiguous())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    plain = memfit.measure(model, batch, gpt_loss, opt, steps=1).peak_bytes
+    create_optimizer_state(model, opt)
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_allocated(dev)
+    allowed = held + (plain - held) // 2
+    torch.cuda.set_per_process_memory_fraction(
+        allowed / torch.cuda.get_device_properties(dev).total_memory, dev
+    )
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            training_step(model, batch, gpt_loss, opt, Precision("fp32"))
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        p = memfit.plan(model, batch, gpt_loss, "device", opt, precision="fp32")
+        planned, planned_opt = memfit.prepare(model, opt, p)
+        torch.cuda.reset_peak_memory_stats(dev)
+        losses = [float(memfit.train_step(planned, batch, gpt_loss, planned_opt, p)) for _ in range(3)]
+        peak = torch.cuda.max_memory_allocated(dev)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, dev)
+    print(
+        f"RESULT cuda: plain {plain:,} B, allowed {allowed:,} B, budget {p.budget_bytes:,} B, predicted "
+        f"{p.predicted_peak_bytes:,} B, measured {peak:,} B, planning {p.planning_seconds:.1f} s, "
+        f"losses {losses}, plan {sorted(set(p.blocks.values()))} x{p.micro_batches}"
+    )
+    assert all(math.isfinite(v) for v in losses)
+    assert peak <= allowed and p.predicted_peak_bytes <= p.budget_bytes <= allowed
+    assert any("fake-tensor twin" in n for n in p.notes), p.notes

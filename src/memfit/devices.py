@@ -1,4 +1,4 @@
-"""What this machine can do: the only module that branches on hardware.
+"""What this machine can do, and how much more memory this process can allocate on it now.
 
 Facts are read once per process and cached. ``bf16_native`` means the hardware computes in
 bf16 (CUDA compute capability 8.0 or newer; on a CPU the AVX512-BF16 or AMX-BF16 flags);

@@ -162,7 +162,12 @@ class Profiler:
                 self.twin = make_twin(self.model, self.optimizer, self.batch)
                 self.estimate = self._plain_step(on_twin=True)
             except Exception as exc:  # NOTE: whatever a fake twin cannot do, a real step may
-                self.twin, self.twin_error = None, f"{type(exc).__name__}: {str(exc)[:200]}"
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                self.twin, self.twin_error = None, f"{type(exc).__name__}: {first}"
+                self.measured.append(
+                    f"fake tensors cannot run {type(self.model).__name__} ({self.twin_error}): its steps "
+                    "are measured for real"
+                )
                 return None
             seconds = time.perf_counter() - started
             self.measured.append(
