@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         f"{describe(resize_batch(batch, result.batch_size) if args.maximize else batch)}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
         f"{format_bytes(result.baseline_peak_bytes)}"
+        + (" (under fake tensors: it does not fit here)" if result.baseline_from != "tracked" else "")
     )
     print()
     print(plan_table(result))

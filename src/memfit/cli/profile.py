@@ -75,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{type(model).__name__} on {prof.device}, {prof.precision}, batch {describe(batch)}, "
-        f"{prof.optimizer}: measured peak {format_bytes(prof.measured_peak_bytes)} with no "
-        f"checkpointing, step {prof.step_seconds * 1e3:.1f} ms"
+        f"{prof.optimizer}: {'measured' if prof.memory_from == 'tracked' else 'estimated'} peak "
+        f"{format_bytes(prof.measured_peak_bytes)} with no checkpointing"
+        + (" (under fake tensors: it does not fit here)" if prof.memory_from != "tracked" else "")
+        + f", step {prof.step_seconds * 1e3:.1f} ms"
     )
     print()
     print(block_table(prof))

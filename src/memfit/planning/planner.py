@@ -282,10 +282,10 @@ def _room_notes(r: Room | None, profiles: Mapping[str, Profile]) -> list[str]:
     out = []
     for p, prof in profiles.items():
         if prof.memory_from != "tracked":
-            free = f"{format_bytes(r.free)} free by {r.source}" if r is not None else "the device's room"
+            where = f"the device's room ({r.source})" if r is not None else "the device's room"
             out.append(
                 f"{p}: the step without checkpointing ({format_bytes(prof.measured_peak_bytes)}) does not "
-                f"fit {free}: every step's memory was measured on a fake-tensor twin (nothing allocated), "
+                f"fit {where}: every step's memory was measured on a fake-tensor twin (nothing allocated), "
                 "step times from steps that fit, and the plan itself measured for real."
             )
     return out
@@ -382,6 +382,7 @@ def plan(
             + [f"lever {n} not used: {w}" for n, w in refused.items()]
         )
         result.measured = planner.measured
+        result.baseline_from = profs.get("fp32", next(iter(profs.values()))).memory_from
         result.planning_seconds = time.perf_counter() - started
         return result
     finally:

@@ -27,6 +27,9 @@ class Plan(Record):
     predicted_step_seconds: float = 0.0
     baseline_peak_bytes: int = 0
     baseline_step_seconds: float = 0.0
+    baseline_from: str = "tracked"
+    """How ``baseline_peak_bytes`` was found: ``"tracked"`` (a real step) or ``"fake tensors"``
+    (the plain step does not fit the device, so it was measured on a fake-tensor twin)."""
     budget_bytes: int = 0
     measured_peak_bytes: int = 0
     """The plan's peak as measured when it was made (0: not measured)."""
