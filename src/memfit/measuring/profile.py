@@ -145,11 +145,16 @@ class Profiler:
             model.train()
             # NOTE: a twin's failure is no verdict on the batch: the real step that follows judges it
             checked = batch_errors(model, batch) if twin is None else nullcontext()
+            # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
+            count = twin is not None or self.estimate is None
             with checked, chain_probe(model, self.blocks) as probe:
                 mem = phased_step(
-                    model, batch, self.loss_fn, optimizer, self.precision, self.blocks, count_flops=True
+                    model, batch, self.loss_fn, optimizer, self.precision, self.blocks, count_flops=count
                 )
+            # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
+        if not count and self.estimate is not None:
+            mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
         self.links = probe.links
         return mem
 
@@ -204,9 +209,10 @@ class Profiler:
                     "the step without checkpointing ran out of memory: measured under fake tensors"
                 )
                 return self.use_estimate()
+            counted = "FLOPs from the fake step" if self.estimate is not None else "FLOPs counted"
             self.measured.append(
                 f"1 tracked step at {self.precision.mode} without checkpointing, all {len(self.blocks)} "
-                f"blocks, FLOPs counted ({time.perf_counter() - started:.2f} s)"
+                f"blocks, {counted} ({time.perf_counter() - started:.2f} s)"
             )
             self.memory["none"] = mem
             self.flops = block_flops(
