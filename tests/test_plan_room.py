@@ -118,6 +118,22 @@ def test_a_profile_whose_plain_step_does_not_fit_has_the_real_profiles_bytes() -
     assert fake.step_seconds > 0 and all(b.forward_seconds > 0 for b in fake.blocks)
 
 
+def test_a_step_whose_smallest_plan_does_not_fit_the_room_is_refused_before_it_runs() -> None:
+    model, batch = tiny_gpt(n_layer=4), token_batch(8, 16)
+    opt = torch.optim.AdamW(model.parameters())
+    with preserved(model, opt):
+        prof = Profiler(model, batch, gpt_loss, opt, Precision("fp32"))
+        prof.room = Room(free=1024, source="a test")
+        prof.none()
+        assert prof.fake
+        with pytest.raises(
+            memfit.InfeasibleBudget, match=r"room of 1.00 KiB \(a test\): its smallest"
+        ) as info:
+            prof.time(1)
+    assert not prof.times, "no step ran"
+    assert info.value.minimum_bytes > info.value.budget_bytes
+
+
 def test_memory_profile_allocates_no_step() -> None:
     model, batch = tiny_gpt(n_layer=3), token_batch(4, 16)
     opt = torch.optim.AdamW(model.parameters())

@@ -46,7 +46,7 @@ from torch import nn
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.devices import Room, room, room_needed
-from memfit.errors import OutOfMemory, is_out_of_memory
+from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
@@ -321,16 +321,16 @@ class Profiler:
                 if fits and (mode, k) not in self.failed:
                     return mode, k
                 k *= 2
-        least = (
-            min(simulate(prof, m, rows).peak_bytes for m in prof.blocks[0].saved_bytes) if prof.blocks else 0
-        )
-        free = f"{format_bytes(self.room.free)} ({self.room.source})" if self.room else "unknown"
-        raise OutOfMemory(
+        least = simulate(prof, "full" if self.blocks else "none", rows).peak_bytes
+        free = self.room.free if self.room is not None else 0
+        where = f"{format_bytes(free)} ({self.room.source})" if self.room is not None else "unknown"
+        raise InfeasibleBudget(
             f"no step of {type(self.model).__name__} on this batch fits {device_of(self.model)}'s room of "
-            f"{free}: even one sample at a time (every "
-            f"block checkpointed) needs {format_bytes(max(0, least - start))} more, with memfit's margin "
-            f"{format_bytes(room_needed(max(0, least - start)))}; free the device or use a smaller model or "
-            "sequence."
+            f"{where}: its smallest, one sample at a time with every block checkpointed, needs "
+            f"{format_bytes(least)} ({format_bytes(room_needed(max(0, least - start)))} more with memfit's "
+            "margin); free the device or use a smaller model or sequence.",
+            minimum_bytes=least,
+            budget_bytes=start + free,
         )
 
     # Note [timing a step that does not fit]
