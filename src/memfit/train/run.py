@@ -24,13 +24,10 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -51,12 +48,13 @@ from memfit.train.run_report import (
     write_report,
 )
 from memfit.train.setup import build_run, check_run
+from memfit.train.signals import STOP_REASONS, graceful_stop
 from memfit.train.trainer import Trainer
 
 __all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
 
-#: ``Trainer.stop_reason`` after a Ctrl-C.
-INTERRUPTED = "interrupted (Ctrl-C)"
+#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.train.signals.STOP_REASONS`).
+INTERRUPTED = STOP_REASONS[signal.SIGINT]
 
 
 @dataclass
@@ -74,26 +72,6 @@ class TrainRun:
     def state_path(self) -> Path:
         """The final training state."""
         return self.files["state"]
-
-
-@contextlib.contextmanager
-def _graceful_interrupt(trainer: Trainer, echo: Callable[[str], None]) -> Iterator[None]:
-    """The first Ctrl-C stops training after the current step (whose state is then saved);
-    a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _on_sigint(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, previous)
-        trainer.stop(INTERRUPTED)
-        echo("memfit train: stopping after this step and saving the training state (Ctrl-C again to abort)")
-
-    previous = signal.signal(signal.SIGINT, _on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def train_from_config(
@@ -122,7 +100,12 @@ def train_from_config(
     resumed: Resumed | None = None
     if resume:
         resumed = resume_run(resume, cfg, overrides)
-        cfg = resumed.cfg
+        if resumed is None:
+            where = repr(cfg.train.out)
+            print_notes(
+                [f"{where} holds a run stopped before it saved any state; it starts again from step 0"]
+            )
+        cfg = resumed.cfg if resumed is not None else cfg
     device = check_run(cfg, resume, overwrite)
     out = Path(cfg.train.out)
     # NOTE: every rank checks the files above before joining the process group, so no rank
@@ -181,7 +164,7 @@ def _train_joined(
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
         + f"{remaining} steps to {cfg.train.steps}"
     )
-    with _graceful_interrupt(trainer, echo):
+    with graceful_stop(trainer, echo):
         trainer.fit(
             built.sampler,
             remaining,
