@@ -284,9 +284,10 @@ def test_out_naming_a_file_memfit_did_not_write_is_refused(
     argv = ["plan", "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2"]
     assert main([*argv, "--set", "model.block_size=16", "--budget", "90%", "--out", str(precious)]) == 2
     err = capsys.readouterr().err
-    assert "exists and is not a JSON file memfit wrote" in err and err.count("\n") == 1
+    assert "exists and is not a file memfit wrote" in err and err.count("\n") == 1
     assert precious.read_text(encoding="utf-8") == "root:x:0:0:root:/root:/bin/bash\n"
     own = tmp_path / "plan.json"
-    own.write_text('{"blocks": {}}', encoding="utf-8")  # an earlier plan is replaced as before
+    own.write_text('{"memfit": "plan", "blocks": {}}', encoding="utf-8")  # an earlier plan is replaced
     assert main([*argv, "--set", "model.block_size=16", "--budget", "90%", "--out", str(own)]) == 0
-    assert json.loads(own.read_text(encoding="utf-8"))["blocks"]
+    written = json.loads(own.read_text(encoding="utf-8"))
+    assert written["memfit"] == "plan" and written["blocks"]
