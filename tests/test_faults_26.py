@@ -4,11 +4,16 @@ or a run that goes on with no step lost (cases 1 and 2, the signals: test_stop_s
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
+import torch
 
+import memfit
+from memfit.budget import Budget
 from memfit.cli.main import main
+from memfit.errors import ConfigError, NonFiniteLoss
 from memfit.outputs import marked_json
 from memfit.records import Plan
 
@@ -55,3 +60,90 @@ def test_the_marker_is_not_a_field_of_the_record() -> None:
     assert Plan.from_json(marked_json("plan", plan.to_dict())) == plan
     with pytest.raises(Exception, match="no field"):
         Plan.from_json(json.dumps({"memfit": 3, **plan.to_dict()}))  # a marker is a string
+
+
+# -- case 8: the Python API -----------------------------------------------------------------
+
+
+def _prepared(micro_batches: int = 1) -> tuple[torch.nn.Module, torch.optim.Optimizer, Plan]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    plan = Plan(blocks={}, micro_batches=micro_batches)
+    model, opt = memfit.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1), plan)
+    return model, opt, plan
+
+
+def _nan_loss(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    return model(batch).mean() * float("nan")
+
+
+def test_train_step_stops_on_a_nan_loss_with_the_weights_untouched() -> None:
+    model, opt, plan = _prepared()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        memfit.NonFiniteLoss, match=r"the loss is nan, not finite, so this step was not taken"
+    ):
+        memfit.train_step(model, torch.randn(4, 4), _nan_loss, opt, plan)
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+    assert not opt.state  # the optimizer did not step either
+    assert memfit.NonFiniteLoss is NonFiniteLoss
+
+
+def test_train_step_opted_out_returns_the_nan_and_steps() -> None:
+    model, opt, plan = _prepared()
+    loss = memfit.train_step(model, torch.randn(4, 4), _nan_loss, opt, plan, check_finite=False)
+    assert math.isnan(loss) and torch.isnan(next(model.parameters())).all()
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "words"),
+    [
+        (lambda m, b: 3, "loss_fn returned int 3, not a tensor"),
+        (lambda m, b: m(b), r"loss_fn returned a tensor of shape \(4, 1\), not a scalar"),
+        (lambda m, b: m(b).mean().detach(), "does not depend on the model's parameters"),
+    ],
+)
+def test_a_loss_that_is_not_a_scalar_tensor_is_one_sentence(loss_fn: object, words: str) -> None:
+    model, opt, plan = _prepared()
+    with pytest.raises(ConfigError, match=words):
+        memfit.train_step(model, torch.randn(4, 4), loss_fn, opt, plan)  # type: ignore[arg-type]
+
+
+def test_more_micro_batches_than_rows_are_refused() -> None:
+    model, opt, plan = _prepared(micro_batches=8)
+    with pytest.raises(ConfigError, match="8 micro-batches cannot split a batch of 4"):
+        memfit.train_step(model, torch.randn(4, 4), lambda m, b: m(b).mean(), opt, plan)
+
+
+@pytest.mark.parametrize("value", [-2, 0, 10**30])
+def test_plan_from_json_refuses_impossible_micro_batches(value: int) -> None:
+    with pytest.raises(ConfigError, match="micro_batches must be a whole number from 1 to 2147483647, got"):
+        Plan.from_json(json.dumps({"blocks": {}, "micro_batches": value}))
+
+
+def test_memfit_plan_refuses_an_empty_batch_and_another_models_optimizer() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    loss = lambda m, b: m(b).mean()  # noqa: E731
+    with pytest.raises(ConfigError, match=r"the batch has no rows \(its first dimension is 0\)"):
+        memfit.plan(model, torch.zeros(0, 4), loss, "1GiB")
+    other = torch.nn.Linear(4, 1)
+    with pytest.raises(
+        ConfigError, match=r"the optimizer trains 2 tensor\(s\) that are not parameters of this"
+    ):
+        memfit.plan(model, torch.randn(4, 4), loss, "1GiB", torch.optim.AdamW(other.parameters()))
+
+
+# -- case 9: budgets in other scripts' digits or with whitespace inside ------------------------
+
+
+@pytest.mark.parametrize("text", ["５MB", "٥MB", "5\nMB", "5MB\n", "5\tGiB", "6GiB\r"])
+def test_budget_digits_outside_ascii_and_inner_whitespace_are_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match=r"its character .* is not an ASCII digit, letter, sign"):
+        Budget.parse(text)
+    assert Budget.parse(" 6 GiB ").bytes == 6 * 2**30  # spaces around the unit still read
+
+
+def test_budget_in_other_digits_at_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_error_line(capsys, ["plan", *TINY, "--budget", "５MB"])
+    assert "U+FF15" in line

@@ -172,16 +172,10 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
     key = state_key()
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(payload)) + _mac(key, payload))
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "w+b") as f:
+            _write_signed(f, state, key)
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
@@ -191,6 +185,26 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _write_signed(f: Any, state: dict[str, Any], key: bytes) -> None:
+    """Header placeholder, the ``torch.save`` archive streamed to the file, then the header.
+
+    # NOTE: streamed, not built in memory first: a save needs no second copy of the state in
+    # host memory (the save after an out-of-memory re-plan failed that way). The archive's
+    # offsets are its own, so the payload loads from any position.
+    """
+    f.write(b"\0" * _HEADER)
+    torch.save(state, f)
+    length = f.tell() - _HEADER
+    f.seek(_HEADER)
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        mac.update(chunk)
+    f.seek(0)
+    f.write(_MAGIC + struct.pack("<Q", length) + mac.digest())
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _payload(path: Path) -> bytes:
