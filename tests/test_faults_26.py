@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +22,12 @@ from memfit.cli.main import main
 from memfit.errors import ConfigError, NonFiniteLoss
 from memfit.outputs import marked_json
 from memfit.records import Plan
+from memfit.train import state as state_mod
+from memfit.train.callbacks import SaveState, read_metrics
+from memfit.train.data import BatchSampler, ByteCorpus
+from memfit.train.gpt import gpt_loss
+from memfit.train.state import load_state
+from memfit.train.trainer import Trainer
 
 TINY = [
     "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
@@ -147,3 +159,85 @@ def test_budget_digits_outside_ascii_and_inner_whitespace_are_refused(text: str)
 def test_budget_in_other_digits_at_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_error_line(capsys, ["plan", *TINY, "--budget", "５MB"])
     assert "U+FF15" in line
+
+
+# -- case 4: a save that fails for lack of memory or space --------------------------------------
+
+_TORCH_WRITE_FAILURE = "[enforce fail at inline_container.cc:672] . unexpected pos 1088 vs 1000"
+
+
+def _fail_saves(monkeypatch: pytest.MonkeyPatch, times: int, under: Path | None = None) -> list[Path]:
+    """A fault hook standing in for a save that runs out of memory (torch's own message): the
+    first ``times`` saves (into ``under``, if given) fail; returns the files they aimed at."""
+    real, failed = state_mod._write_signed, []
+
+    def write(f: Any, state: dict[str, Any], key: bytes) -> None:
+        target = Path(os.readlink(f"/proc/self/fd/{f.fileno()}")).parent
+        if len(failed) < times and (under is None or target == under):
+            failed.append(target)
+            raise RuntimeError(_TORCH_WRITE_FAILURE)
+        real(f, state, key)
+
+    monkeypatch.setattr(state_mod, "_write_signed", write)
+    return failed
+
+
+def _gpt_trainer(out: Path) -> tuple[Trainer, BatchSampler]:
+    from conftest import tiny_gpt
+
+    sampler = BatchSampler(ByteCorpus.from_bytes(bytes(range(256)) * 40).train, 2, 8, seed=0)
+    model = tiny_gpt(n_layer=1)
+    saver = SaveState(out / "state.pt", every=2, data=sampler)
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters()), gpt_loss, "fp32", progress=False,
+                      callbacks=[saver], track_memory=False)  # fmt: skip
+    return trainer, sampler
+
+
+def test_a_save_that_runs_out_of_memory_is_retried(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, sampler = _gpt_trainer(tmp_path)
+    failed = _fail_saves(monkeypatch, times=1)
+    trainer.fit(sampler, steps=4)
+    assert failed == [tmp_path]  # the save of step 2 failed once, the second try worked
+    assert (
+        load_state(tmp_path / "state.pt")["step"] == 4 and load_state(tmp_path / "state.prev.pt")["step"] == 2
+    )
+
+
+def test_memfit_train_rescues_a_save_that_keeps_failing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the rescue folder, in the test's own
+    _fail_saves(monkeypatch, times=2, under=out)
+    argv = ["train", "--quiet", *TINY, "--set", "train.steps=4", "--set", "train.checkpoint_every=2"]
+    line = one_error_line(capsys, [*argv, "--set", f"train.out='{out}'"])
+    assert f"cannot write the training state {str(out / 'state.pt')!r} (the write stopped part-way" in line
+    rescue = Path(line.split("was saved to ", 1)[1].split("'")[1])
+    assert rescue.parent.parent == tmp_path and load_state(rescue)["step"] == 2
+    assert not (out / "state.pt").exists() and [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGXFSZ"), reason="RLIMIT_FSIZE is POSIX")
+def test_a_real_file_size_limit_at_save_is_exit_2_not_1(tmp_path: Path) -> None:
+    """No fault hook: the kernel refuses the state file's bytes (EFBIG under RLIMIT_FSIZE)."""
+    import resource
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    out = tmp_path / "run"
+    argv = ["train", "--quiet", *TINY, "--set", "train.steps=3", "--set", "train.checkpoint_every=2"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "memfit.cli.main", *argv, "--set", f"train.out='{out}'"],
+        capture_output=True, text=True, timeout=300, env=env, preexec_fn=limit,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nor a rescue copy; no state is on disk." in lines[0]
+    assert (
+        "the write stopped part-way, for lack of space or memory: [enforce fail at inline_container"
+        in lines[0]
+    )
+    assert [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2]  # every finished step kept

@@ -4,9 +4,10 @@ This module is the file format only: it writes and reads a dict of tensors and p
 and captures and restores the global random generators. What goes into the dict is the
 Trainer's business (:meth:`memfit.Trainer.state_dict`).
 
-Trade-off: each save serializes the whole state into memory first and writes it once,
-so a save briefly needs the state's size in host memory; in exchange a crash at any
-moment leaves either the old file or the new one, never a half-written one.
+Trade-off: each save streams the archive into a temporary file and then reads it back once
+to sign it (twice the disk reads of a plain ``torch.save``, no second copy in host memory);
+in exchange a crash at any moment leaves either the old file or the new one, never a
+half-written one.
 
 File layout: ``MEMFIT-STATE-2\\n``, the payload length (8 bytes, little-endian), the
 HMAC-SHA256 of the payload (32 bytes), then the payload (a ``torch.save`` archive). The
