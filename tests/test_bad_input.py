@@ -4,7 +4,7 @@ is a traceback. Cases 2, 3 and 6 of the issue, run as a user would type them."""
 from __future__ import annotations
 
 import json
-import pathlib
+import os
 import shlex
 from pathlib import Path
 
@@ -106,14 +106,16 @@ def test_an_unreadable_config_file(
 ) -> None:
     config = tmp_path / "run.toml"
     config.write_text("[train]\nsteps = 2\n")
-    read = pathlib.Path.read_text
+    import memfit.reading
 
-    def denied(self: Path, *args: object, **kwargs: object) -> str:
-        if self == config:
+    real_open = os.open
+
+    def denied(path: object, *args: int) -> int:  # NOTE: chmod 000 does not stop root
+        if Path(str(path)) == config:
             raise PermissionError(13, "Permission denied")
-        return read(self, *args, **kwargs)  # type: ignore[arg-type]
+        return real_open(path, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(pathlib.Path, "read_text", denied)
+    monkeypatch.setattr(memfit.reading.os, "open", denied)
     line = _error(capsys, ["train", str(config)])
     assert f"cannot read config file {str(config)!r} (Permission denied)" in line
 

@@ -241,3 +241,149 @@ def test_a_real_file_size_limit_at_save_is_exit_2_not_1(tmp_path: Path) -> None:
         in lines[0]
     )
     assert [m.step for m in read_metrics(out / "metrics.jsonl")] == [1, 2]  # every finished step kept
+
+
+# -- case 6: reads with bounds ---------------------------------------------------------------
+
+
+def test_data_max_bytes_is_read_as_a_prefix_not_the_whole_file(tmp_path: Path) -> None:
+    import tracemalloc
+
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as f:
+        f.write(b"abc" * 10_000)
+        f.truncate(5 * 2**30)  # a sparse 5 GiB file: reading it whole would take 5 GiB
+    tracemalloc.start()
+    try:
+        corpus = ByteCorpus.load(huge, val_fraction=0.1, max_bytes=20_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(corpus.train) + len(corpus.val) == 20_000 and peak < 2**20
+
+
+def test_a_fifo_inside_a_data_directory_is_skipped_not_waited_on(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_bytes(b"x" * 4000)
+    os.mkfifo(tmp_path / "b.txt")
+    corpus = ByteCorpus.load(tmp_path, val_fraction=0.1)
+    assert len(corpus.train) + len(corpus.val) == 4000
+
+
+def _cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The CLI in a subprocess with a deadline: a read that blocks fails the test, not hangs it."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "memfit.cli.main", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=full,
+    )
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    return lines[0]
+
+
+def test_fifos_and_devices_given_as_inputs_are_refused_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    out = ["--set", f"train.out='{tmp_path / 'out'}'"]
+    line = _one_line(_cli(["train", *TINY, *out, "--set", f"data.path='{fifo}'"]))
+    assert f"data path {str(fifo)!r} is a FIFO (named pipe), not a regular file" in line
+    line = _one_line(_cli(["train", str(fifo), *out]))
+    assert f"config file {str(fifo)!r} is a FIFO (named pipe), not a regular file" in line
+    line = _one_line(_cli(["train", "/dev/zero", *out]))
+    assert "config file '/dev/zero' is a character device, not a regular file" in line
+    line = _one_line(_cli(["check", *TINY, "--plan", str(fifo), "--out", str(tmp_path / "c")]))
+    assert f"plan file {str(fifo)!r} is a FIFO (named pipe), not a regular file" in line
+    for key in ("/dev/zero", str(fifo)):
+        line = _one_line(
+            _cli(["train", *TINY, "--set", f"train.out='{tmp_path / 'k'}'"], {"MEMFIT_STATE_KEY": key})
+        )
+        assert f"the state key {key!r} is a " in line and "not a regular file" in line
+        assert not (tmp_path / "k").exists()  # refused before any work
+
+
+# -- case 7: input at fault, never an internal error -------------------------------------------
+
+
+def test_a_deeply_nested_config_file_is_one_sentence(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text("[model]\nkwargs = { x = " + "[" * 5000 + "]" * 5000 + " }\n", encoding="utf-8")
+    line = one_error_line(capsys, ["train", str(deep)])
+    assert "nests tables or arrays more than 32 levels deep" in line
+    deep.write_text("[model]\nkwargs = { x = " + "[" * 40 + "]" * 40 + " }\n", encoding="utf-8")
+    assert "more than 32 levels deep" in one_error_line(capsys, ["train", str(deep)])
+
+
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [
+        (f"train.batch_size={2**63 - 1}", "train.batch_size x model.block_size is 1.18e+21 tokens"),
+        ("model.n_embd=10000000", "has 4.8e+15 parameters, more than any machine holds"),
+        ("train.eval_batches=100000000", "train.eval_batches x train.batch_size x model.block_size"),
+    ],
+)
+def test_sizes_no_machine_holds_are_refused(
+    setting: str, words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert words in one_error_line(capsys, ["train", "--set", setting])
+
+
+def test_micro_batches_of_1e30_in_a_plan_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"memfit": "plan", "blocks": {}, "micro_batches": 10**30}), encoding="utf-8")
+    line = one_error_line(capsys, ["check", *TINY, "--plan", str(plan), "--out", str(tmp_path / "c")])
+    assert "micro_batches must be a whole number from 1 to 2147483647, got a number of 31 digits" in line
+
+
+def test_an_output_folder_that_refuses_the_plots_keeps_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    (out / "loss.png").mkdir(parents=True)  # a real OSError when the plot is saved
+    line = one_error_line(
+        capsys, ["train", "--quiet", *TINY, "--set", "train.steps=2", "--set", f"train.out='{out}'"]
+    )
+    assert f"cannot write the plots in {str(out)!r}" in line and "metrics.jsonl and report.md" in line
+    assert (
+        load_state(out / "state.pt")["step"] == 2
+        and "cannot write the plots" in (out / "report.md").read_text()
+    )
+
+
+def test_metrics_jsonl_that_became_a_directory_on_resume(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "run"
+    argv = ["train", "--quiet", *TINY, "--set", "train.steps=2", "--set", f"train.out='{out}'"]
+    assert main(argv) == 0
+    (out / "metrics.jsonl").unlink()
+    (out / "metrics.jsonl").mkdir()
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert (
+        "Traceback" not in err
+        and f"the metrics log {str(out / 'metrics.jsonl')!r} is a directory, not a regular file" in line
+    )
+    assert load_state(out / "state.pt")["step"] == 2
+
+
+# -- case 9: messages that name the right problem ------------------------------------------------
+
+
+def test_a_long_set_value_is_not_echoed_whole(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_error_line(capsys, ["train", "--set", "train.steps=" + "a" * 5000])
+    assert len(line) < 200 and "(5002 characters)" in line
+
+
+def test_model_kwargs_on_the_built_in_gpt_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_error_line(capsys, ["train", "--set", "model.kwargs.preset='7b'"])
+    assert "model.kwargs ('preset') goes to an 'import:' or 'hf:' model" in line

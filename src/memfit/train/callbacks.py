@@ -28,7 +28,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import torch
 
-from memfit.errors import StateError, is_out_of_memory
+from memfit.errors import ConfigError, StateError, is_out_of_memory
+from memfit.outputs import write_text
+from memfit.reading import read_bounded
 from memfit.records import StepMetrics
 
 if TYPE_CHECKING:
@@ -63,13 +65,24 @@ class Callback:
         return None
 
 
+#: The largest metrics log read back (a million steps take about 300 MB).
+_MAX_METRICS_BYTES = 2**30
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
-    """Read a ``metrics.jsonl``; a last line cut short by a crash is skipped."""
+    """Read a ``metrics.jsonl``; a last line cut short by a crash is skipped.
+
+    Raises:
+        StateError: ``path`` is a directory, a FIFO or a device, or cannot be read.
+    """
     rows = []
     p = Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         return []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    data = read_bounded(
+        p, "the metrics log", _MAX_METRICS_BYTES, error=StateError, hint="move it away and run again."
+    )
+    for line in data.decode("utf-8", errors="replace").splitlines():
         try:
             rows.append(StepMetrics.from_dict(json.loads(line)))
         except (json.JSONDecodeError, ValueError, TypeError):
@@ -90,9 +103,10 @@ class MetricsLog(Callback):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [] if keep_until is None else [m for m in read_metrics(self.path) if m.step <= keep_until]
-        with self.path.open("w", encoding="utf-8") as f:
-            for m in kept:
-                f.write(m.to_json(indent=None) + "\n")
+        try:
+            write_text(self.path, "".join(m.to_json(indent=None) + "\n" for m in kept), "the metrics log")
+        except ConfigError as exc:
+            raise StateError(str(exc)) from None
         self._file: IO[str] | None = None
         self.error: str | None = None
         """Why a line could not be written (the Trainer is then asked to stop), or None."""

@@ -34,7 +34,6 @@ import torch
 from memfit.config import Config
 from memfit.errors import StateError
 from memfit.records import StepMetrics
-from memfit.report.plots import training_plots
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.dist_plan import rank_notes
 from memfit.train.distributed import DistContext, init_distributed, shutdown_distributed
@@ -45,6 +44,7 @@ from memfit.train.run_report import (
     done_line,
     run_notes,
     run_settings,
+    write_plots,
     write_report,
 )
 from memfit.train.setup import build_run, check_run
@@ -185,9 +185,13 @@ def _train_joined(
     settings = run_settings(cfg, trainer, built.n_params, built.data_text, built.checkpointing_text)
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
     notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
-    breakdown = trainer.memory.breakdown if trainer.memory else None
-    files.update(training_plots(out, history, breakdown, built.budget, f"memfit train: {cfg.model.name}"))
+    plots, failed = write_plots(out, history, trainer, built.budget, f"memfit train: {cfg.model.name}")
+    files.update(plots)
     images = [files[k].name for k in ("loss", "memory") if k in files]
-    write_report(files["report"], history, trainer, settings, notes, images)
+    write_report(files["report"], history, trainer, settings, [*notes, *([failed] if failed else [])], images)
+    if failed:
+        raise StateError(
+            f"{failed}; the training state, metrics.jsonl and report.md beside them are complete."
+        )
     echo(done_line(history, trainer, files))
     return TrainRun(out=out, trainer=trainer, history=history, resumed_from=resumed_from, files=files)

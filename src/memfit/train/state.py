@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from memfit.errors import StateError
+from memfit.reading import read_bounded
 
 __all__ = [
     "KEY_ENV",
@@ -88,31 +89,49 @@ def state_key(create: bool = True) -> bytes:
     # processes starting at once agree on one key.
     """
     path = _key_path()
-    try:
-        key = path.read_bytes()
-    except FileNotFoundError:
-        if not create:
-            raise StateError(
-                f"the state key {str(path)!r} does not exist, so no state file can be authenticated; "
-                f"set {KEY_ENV} to the key file of the account that wrote it."
-            ) from None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".state.key.", dir=path.parent)
+    key = _read_key(path)
+    if key is None and not create:
+        raise StateError(
+            f"the state key {str(path)!r} does not exist, so no state file can be authenticated; "
+            f"set {KEY_ENV} to the key file of the account that wrote it."
+        )
+    if key is None:
         try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, secrets.token_bytes(32))
-            os.close(fd)
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        key = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read the state key {str(path)!r} ({exc.strerror or exc}).") from None
+            _create_key(path)
+        except OSError as exc:
+            raise StateError(f"cannot write the state key {str(path)!r} ({exc.strerror or exc}).") from None
+        key = _read_key(path) or b""
     if len(key) < 16:
         raise StateError(f"the state key {str(path)!r} is too short; delete it and a new one is made.")
     return key
+
+
+#: A state key is 32 bytes; a key file larger than this is not one.
+_MAX_KEY_BYTES = 4096
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key file's bytes (a regular file of at most 4 KiB), or None when there is none."""
+    if not os.path.lexists(path):
+        return None
+    return read_bounded(
+        path, "the state key", _MAX_KEY_BYTES, error=StateError,
+        hint=f"set {KEY_ENV} to a key file memfit made (32 random bytes), or unset it.",
+    )  # fmt: skip
+
+
+def _create_key(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".state.key.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secrets.token_bytes(32))
+        os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def _mac(key: bytes, payload: bytes | memoryview) -> bytes:
@@ -210,16 +229,12 @@ def _write_signed(f: Any, state: dict[str, Any], key: bytes) -> None:
 
 def _payload(path: Path) -> bytes:
     """The authenticated payload of a state file; raises a one-sentence StateError otherwise."""
-    try:
-        if path.is_dir():
-            raise StateError(
-                f"training state {str(path)!r} is a directory; give the path of a state.pt file."
-            )
-        if not path.is_file():
-            raise StateError(f"training state {str(path)!r} does not exist.")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read training state {str(path)!r} ({exc.strerror or exc}).") from None
+    if path.is_dir():
+        raise StateError(f"training state {str(path)!r} is a directory; give the path of a state.pt file.")
+    size = _regular_size(path)
+    data = read_bounded(
+        path, "training state", size, error=StateError, hint="give the path of a state.pt file."
+    )
     if data.startswith(_OLD_MAGIC):
         raise StateError(
             f"training state {str(path)!r} was written by an older memfit without authentication; "
@@ -230,7 +245,7 @@ def _payload(path: Path) -> bytes:
     if len(data) < _HEADER:
         raise StateError(f"training state {str(path)!r} is truncated ({len(data)} bytes, header incomplete).")
     (length,) = struct.unpack("<Q", data[len(_MAGIC) : len(_MAGIC) + 8])
-    payload = data[_HEADER:]
+    payload = memoryview(data)[_HEADER:]
     if len(payload) != length:
         raise StateError(
             f"training state {str(path)!r} is truncated: it holds {len(payload)} of {length} payload bytes."
@@ -240,7 +255,17 @@ def _payload(path: Path) -> bytes:
             f"training state {str(path)!r} is damaged or was not written with this user's state key: "
             "its checksum (HMAC-SHA256) does not match."
         )
-    return payload
+    return bytes(payload)
+
+
+def _regular_size(path: Path) -> int:
+    """The size of ``path`` (what a read of it is bounded by); a missing file is one sentence."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise StateError(f"training state {str(path)!r} does not exist.") from None
+    except OSError as exc:
+        raise StateError(f"cannot read training state {str(path)!r} ({exc.strerror or exc}).") from None
 
 
 def verify_state(path: str | os.PathLike[str]) -> bool:
