@@ -299,8 +299,9 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     text = read_bounded(p, "config file", MAX_CONFIG_BYTES, hint="give the path of a TOML file.")
     try:
         tree = tomllib.loads(text.decode("utf-8"))
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{where} is not valid TOML: {str(exc).rstrip('.')}.") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        # NOTE: ValueError is TOMLDecodeError, or an integer of more than 4300 digits
+        raise ConfigError(f"{where} is not valid TOML: {shown(str(exc).rstrip('.'), 200)[1:-1]}.") from None
     except RecursionError:
         raise _too_deep(where, MAX_DEPTH) from None
     check_depth(tree, where)
