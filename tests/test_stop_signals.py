@@ -175,3 +175,20 @@ def test_each_stop_signal_ends_fit_after_its_step(signum: int) -> None:
     assert trainer.stop_reason == STOP_REASONS[signum] and "stopping after this step" in said[0]
     assert signal.getsignal(signum) is before  # the handler before is back
     assert exit_code(trainer.stop_reason) == 128 + signum
+
+
+def test_a_signal_ignored_before_stays_ignored() -> None:
+    """``nohup memfit train`` ignores SIGHUP: closing the terminal must not stop the run."""
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).pow(2).mean(), "fp32",
+        callbacks=[_SignalAt(2, signal.SIGHUP)], progress=False,
+    )  # fmt: skip
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with graceful_stop(trainer, lambda _: None):
+            history = trainer.fit([torch.randn(8, 4)] * 4, steps=4)
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    assert len(history) == 4 and trainer.stop_reason is None

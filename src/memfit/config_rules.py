@@ -88,23 +88,7 @@ def validate_config(cfg: Any) -> None:
         raise ConfigError(
             f"optimizer.schedule {shown(cfg.optimizer.schedule)} is not one of constant, cosine."
         )
-    ckpt = cfg.memory.checkpointing
-    if ckpt not in (*CHECKPOINT_MODES, "auto") and not is_every(ckpt):
-        raise ConfigError(
-            f"memory.checkpointing {shown(ckpt)} is not one of {', '.join(CHECKPOINT_MODES)}, every:K, auto."
-        )
-    if ckpt == "auto" and not cfg.memory.budget:
-        raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
-    if cfg.memory.budget:
-        # NOTE: only the syntax is checked here; a percentage is resolved against the
-        # baseline peak once that is measured.
-        Budget.parse(cfg.memory.budget, what="memory.budget")
-    if cfg.memory.precision not in PRECISION_CHOICES:
-        raise ConfigError(
-            f"memory.precision {shown(cfg.memory.precision)} is not one of {', '.join(PRECISION_CHOICES)}."
-        )
-    if cfg.memory.on_overflow not in ("stop", "fallback"):
-        raise ConfigError(f"memory.on_overflow {shown(cfg.memory.on_overflow)} is not one of stop, fallback.")
+    _memory(cfg.memory)
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
         raise ConfigError(
             f"model.name {shown(cfg.model.name)} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "
@@ -119,6 +103,27 @@ def validate_config(cfg: Any) -> None:
     if not cfg.train.out.strip():
         raise ConfigError("train.out is empty; give the directory to write the run to.")
     _sizes(cfg)
+
+
+def _memory(mem: Any) -> None:
+    """The ``[memory]`` section's rules (checkpointing, budget, precision, overflow guard)."""
+    ckpt = mem.checkpointing
+    if ckpt not in (*CHECKPOINT_MODES, "auto") and not is_every(ckpt):
+        raise ConfigError(
+            f"memory.checkpointing {shown(ckpt)} is not one of {', '.join(CHECKPOINT_MODES)}, every:K, auto."
+        )
+    if ckpt == "auto" and not mem.budget:
+        raise ConfigError('memory.checkpointing = "auto" needs memory.budget, e.g. "60%" or "2GiB".')
+    if mem.budget:
+        # NOTE: only the syntax is checked here; a percentage is resolved against the
+        # baseline peak once that is measured.
+        Budget.parse(mem.budget, what="memory.budget")
+    if mem.precision not in PRECISION_CHOICES:
+        raise ConfigError(
+            f"memory.precision {shown(mem.precision)} is not one of {', '.join(PRECISION_CHOICES)}."
+        )
+    if mem.on_overflow not in ("stop", "fallback"):
+        raise ConfigError(f"memory.on_overflow {shown(mem.on_overflow)} is not one of stop, fallback.")
 
 
 #: More tokens than any step (or evaluation) trains on: batch_size x block_size.

@@ -74,7 +74,8 @@ def agreed_stop(reason: str | None, ctx: DistContext) -> str | None:
 @contextlib.contextmanager
 def graceful_stop(trainer: _Stoppable, echo: Callable[[str], None]) -> Iterator[None]:
     """While inside, the first Ctrl-C, SIGTERM or SIGHUP stops ``trainer`` after its current
-    step; a second one of the same kind acts at once (the handler before is restored)."""
+    step; a second one of the same kind acts at once (the handler before is restored). A
+    signal ignored before (``nohup`` ignores SIGHUP) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -87,7 +88,8 @@ def graceful_stop(trainer: _Stoppable, echo: Callable[[str], None]) -> Iterator[
         echo(f"memfit train: stopping after this step and saving the training state ({again} again to abort)")
 
     for signum in STOP_REASONS:
-        previous[signum] = signal.signal(signum, _on_signal)
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # NOTE: nohup's SIGHUP stays ignored
+            previous[signum] = signal.signal(signum, _on_signal)
     try:
         yield
     finally:
