@@ -86,7 +86,10 @@ def train_from_config(
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
 
     A new run (no ``resume``) refuses a ``train.out`` that already holds one, unless
-    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident.
+    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident;
+    ``resume="auto"`` of a run stopped before it saved any state starts it again from step 0.
+    Ctrl-C, SIGTERM and SIGHUP stop it after the step in flight, whose state is saved
+    (:mod:`memfit.train.signals`; ``trainer.stop_reason`` says which).
     When resuming with ``overrides`` (``--set`` options of a command line without a config
     file), the run goes on with its saved config plus those (see :mod:`memfit.train.resume`).
 
