@@ -1,13 +1,16 @@
 """Property-based tests: every input to the user-facing parsers gives a valid result or a
 :class:`memfit.MemfitError`, never another exception (issue 15).
 
-Four parsers are fuzzed: ``memfit.budget.parse_bytes``, the config loader with random ``--set``
-keys and values, ``Plan.from_json`` with random JSON, and the command line (parsing plus
-each command's ``check``, which validates every input before any work). The runs are
-derandomized, so ``make test`` sees the same inputs every time; set ``MEMFIT_FUZZ_SCALE``
-(e.g. 10) and ``MEMFIT_FUZZ_RANDOM=1`` for a longer, fresh search.
+Seven inputs are fuzzed: ``memfit.budget.parse_bytes``, the config loader with random ``--set``
+keys and values, ``Plan.from_json`` with random JSON, the command line (parsing plus each
+command's ``check``, which validates every input before any work), and (issue 26) config
+files (random TOML, deep nesting, large values, FIFOs and devices), plan files read by
+``memfit check --plan``, and the Python API (batches, optimizers, micro-batches and loss
+functions given to ``memfit.train_step``). The runs are derandomized, so ``make test`` sees
+the same inputs every time; set ``MEMFIT_FUZZ_SCALE`` (e.g. 10) and ``MEMFIT_FUZZ_RANDOM=1``
+for a longer, fresh search.
 
-Bound: about 2,500 inputs in all, well under a minute on a busy 2-core machine.
+Bound: about 3,200 inputs in all, about a minute on a busy 2-core machine.
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from memfit.api_input import check_plan_inputs
 from memfit.budget import parse_bytes
 from memfit.cli.main import _parser, parse_args
 from memfit.config import Config, load_config
@@ -265,8 +271,153 @@ def test_command_line_fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     _run("cli", 450, prop)
 
 
+# -- config files: random TOML, nesting, sizes and files that are not regular (issue 26) ------
+
+_TOML_VALUE = st.one_of(
+    _VALUE_TEXT.filter(lambda t: "\n" not in t and "\x00" not in t),
+    st.integers(0, 6000).map(lambda n: "[" * n + "]" * n),
+    st.integers(0, 6000).map(lambda n: "{ a = " * n + "1" + " }" * n),
+    st.just('"' + "x" * 40_000 + '"'),
+    st.just("9" * 5000),
+)
+_TOML_LINE = st.one_of(
+    st.builds(lambda k, v: f"{k.rpartition('.')[2]} = {v}", _KEY, _TOML_VALUE),
+    st.sampled_from(["[model]", "[train]", "[data]", "[memory]", "[optimizer]", "[[train]]", "[x.y.z]", "["]),
+    st.text(max_size=30),
+)
+
+
+def test_config_files_fuzz(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo.toml"
+    os.mkfifo(fifo)
+    special = [str(fifo), "/dev/zero", "/dev/null", str(tmp_path), str(tmp_path / "missing.toml")]
+
+    @_settings(300)
+    @given(lines=st.lists(_TOML_LINE, max_size=8), other=st.one_of(st.none(), st.sampled_from(special)))
+    def prop(lines: list[str], other: str | None) -> None:
+        _count("config file")
+        path = tmp_path / "run.toml"
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        try:
+            cfg = load_config(other or path)
+        except MemfitError:
+            return
+        assert isinstance(cfg, Config)
+
+    _run("config file", 300, prop)
+
+
+# -- plan files as memfit check --plan reads them (issue 26) -------------------------------------
+
+_PLAN_TEXT = st.one_of(
+    _PLAN_LIKE.map(lambda d: json.dumps({"memfit": "plan", **d})),
+    st.builds(
+        lambda mb, blocks: json.dumps({"memfit": "plan", "blocks": blocks, "micro_batches": mb}),
+        st.one_of(st.integers(), st.integers(min_value=-(10**40), max_value=10**40), st.floats(), st.none()),
+        st.dictionaries(
+            st.text(max_size=6), st.sampled_from(["none", "full", "selective", "keep", "x"]), max_size=3
+        ),
+    ),
+    st.integers(0, 100_000).map(lambda n: "[" * n),
+    st.text(max_size=40),
+    st.binary(max_size=40).map(lambda b: b.decode("latin-1")),
+)
+
+
+def test_plan_files_fuzz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+
+    @_settings(200)
+    @given(
+        text=_PLAN_TEXT, other=st.one_of(st.none(), st.sampled_from([str(fifo), "/dev/zero", str(tmp_path)]))
+    )
+    def prop(text: str, other: str | None) -> None:
+        _count("plan file")
+        path = tmp_path / "plan.json"
+        path.write_text(text, encoding="utf-8", errors="surrogatepass")
+        args = parse_args(["check", "--plan", other or str(path), "--out", "c"])
+        try:
+            args._check(args)
+        except MemfitError:
+            return
+
+    _run("plan file", 200, prop)
+
+
+# -- the Python API: memfit.train_step with random batches, plans and losses (issue 26) -----------
+
+
+class _AnyShape(torch.nn.Module):
+    """A model that runs on a float tensor of any shape, so the fuzz tests memfit, not the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0] if x.ndim else 1, -1).sum(-1, keepdim=True) * self.w
+
+
+_LOSSES: list[Callable[[Any, Any], Any]] = [
+    lambda m, b: m(b[0] if isinstance(b, tuple | list) else b).mean(),
+    lambda m, b: 3,
+    lambda m, b: 2.5,
+    lambda m, b: None,
+    lambda m, b: m(b[0] if isinstance(b, tuple | list) else b),
+    lambda m, b: m(b[0] if isinstance(b, tuple | list) else b).mean() * float("nan"),
+    lambda m, b: m(b[0] if isinstance(b, tuple | list) else b).mean() * float("inf"),
+    lambda m, b: torch.tensor(1.0),
+]
+
+
+@st.composite
+def _api_batch(draw: st.DrawFn) -> Any:
+    rows = draw(st.integers(0, 9))
+    width = draw(st.sampled_from([4, 4, 4, 3]))
+    shape = draw(st.sampled_from([(rows, width), (rows,), ()]))
+    x = torch.randn(shape)
+    kind = draw(st.sampled_from(["tensor", "tuple", "list", "dict", "int", "mixed"]))
+    return {
+        "tensor": x,
+        "tuple": (x, torch.randn(rows)),
+        "list": [x, torch.randn(max(rows - 1, 0))],
+        "dict": {"x": x},
+        "int": 7,
+        "mixed": (x, 3),
+    }[kind]
+
+
+def test_python_api_fuzz() -> None:
+    import memfit
+
+    @_settings(250)
+    @given(
+        batch=_api_batch(),
+        loss=st.sampled_from(range(len(_LOSSES))),
+        micro=st.integers(1, 12),
+        foreign=st.booleans(),
+    )
+    def prop(batch: Any, loss: int, micro: int, foreign: bool) -> None:
+        _count("api")
+        model = _AnyShape()
+        params = _AnyShape().parameters() if foreign else model.parameters()
+        plan = Plan(blocks={}, micro_batches=micro)
+        with contextlib.suppress(MemfitError):
+            check_plan_inputs(model, batch, torch.optim.SGD(params, lr=0.1))
+        model, opt = memfit.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), plan)
+        try:
+            value = memfit.train_step(model, batch, _LOSSES[loss], opt, plan)
+        except MemfitError:
+            return
+        assert isinstance(value, float) and math.isfinite(value)
+
+    _run("api", 250, prop)
+
+
 def test_the_fuzz_saw_at_least_2000_inputs() -> None:
     """The suite's bound, from the other way: enough inputs (each property checks its own)."""
-    assert 900 + 700 + 600 + 450 >= 2000
-    if len(COUNTS) == 4:
-        assert sum(COUNTS.values()) >= 2000 * SCALE, COUNTS
+    assert 900 + 700 + 600 + 450 + 300 + 200 + 250 >= 3000
+    if len(COUNTS) == 7:
+        assert sum(COUNTS.values()) >= 3000 * SCALE, COUNTS

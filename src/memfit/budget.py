@@ -48,7 +48,9 @@ _UNITS: dict[str, int] = {
     "g": 2**30,
     "t": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([+-]?\d+(?:\.\d*)?|[+-]?\.\d+)\s*([a-zA-Z]*|%)\s*$")
+_PATTERN = re.compile(r"^ *([+-]?[0-9]+(?:\.[0-9]*)?|[+-]?\.[0-9]+) *([a-zA-Z]*|%) *$", re.ASCII)
+#: What a budget's text may hold: ASCII digits, letters, signs, a point, ``%`` and spaces.
+_ALLOWED = re.compile(r"^[0-9A-Za-z+\-.% ]*$", re.ASCII)
 #: Larger than any memory there is (1 EiB); a budget above it is a typo, not a machine.
 _MAX_BYTES = 2**60
 
@@ -89,9 +91,15 @@ class Budget:
             if not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{what} must be a positive number of bytes, got {_shown(value)}.")
             return cls(bytes=_whole_bytes(value, value, what), text=str(value))
-        if value.strip().lower() == "device":
+        if value.strip(" ").lower() == "device":
             return cls(device=True, text="device")
-        match = _PATTERN.match(value)
+        if not _ALLOWED.fullmatch(value):
+            bad = next(c for c in value if not _ALLOWED.fullmatch(c))
+            raise ConfigError(
+                f"cannot read {what} {_shown(value)}: its character {bad!r} (U+{ord(bad):04X}) is not an "
+                "ASCII digit, letter, sign, '.', '%' or space; write it as e.g. '6GiB'."
+            )
+        match = _PATTERN.fullmatch(value)
         if match is None or match.group(2).lower() not in (*_UNITS, "%"):
             raise ConfigError(
                 f"cannot read {what} {_shown(value)}: write bytes as an integer, or a number with a unit "

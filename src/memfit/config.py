@@ -28,7 +28,8 @@ from typing import Any
 import tomllib
 
 from memfit.config_rules import validate_config
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, shown
+from memfit.reading import read_bounded
 
 __all__ = [
     "Config",
@@ -37,6 +38,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "TrainConfig",
+    "check_depth",
     "config_from_dict",
     "load_config",
     "read_toml",
@@ -44,6 +46,10 @@ __all__ = [
 
 #: TOML's integers are 64-bit; larger ones are typing mistakes that would overflow later.
 _MAX_INT = 2**63 - 1
+#: The largest config file read (a config is a few kilobytes of TOML).
+MAX_CONFIG_BYTES = 4 * 2**20
+#: The deepest nesting of tables and arrays a config may hold (``[[[...]]]``).
+MAX_DEPTH = 32
 
 
 @dataclass(kw_only=True)
@@ -176,24 +182,24 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
                 return _coerce(key, arg, value)
             except ConfigError:
                 continue
-        raise ConfigError(f"{key} must be {tp}, got {value!r}.")
+        raise ConfigError(f"{key} must be {tp}, got {shown(value)}.")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if origin is list:
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}.")
+            raise ConfigError(f"{key} must be a list, got {shown(value)}.")
         (item,) = typing.get_args(tp)
         return [_coerce(key, item, v) for v in value]
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a table, got {value!r}.")
+            raise ConfigError(f"{key} must be a table, got {shown(value)}.")
         return value
     if tp is int and isinstance(value, bool):
-        raise ConfigError(f"{key} must be an integer, got {value!r}.")
+        raise ConfigError(f"{key} must be an integer, got {shown(value)}.")
     if tp is int and isinstance(value, int) and abs(value) > _MAX_INT:
         raise ConfigError(f"{key} is too large ({len(str(value))} digits); give at most {_MAX_INT}.")
     if isinstance(tp, type) and not isinstance(value, tp):
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r} ({type(value).__name__}).")
+        raise ConfigError(f"{key} must be {_type_name(tp)}, got {shown(value)} ({type(value).__name__}).")
     return value
 
 
@@ -213,7 +219,7 @@ def _set(tree: dict[str, Any], key: str, value: Any) -> None:
         raise ConfigError(f"--set {key}=... must name section.key, e.g. model.n_layer=8.")
     tree.setdefault(section, {})
     if not isinstance(tree[section], dict):
-        raise ConfigError(f"{section} must be a table, got {tree[section]!r}.")
+        raise ConfigError(f"{section} must be a table, got {shown(tree[section])}.")
     if "." in name and section == "model" and name.startswith("kwargs."):
         kwargs, arg = tree[section].setdefault("kwargs", {}), name.split(".", 1)[1]
         if not arg:
@@ -233,7 +239,7 @@ def _budget_text(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return value
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"memory.budget must be a finite number of bytes, got {value!r}.")
+        raise ConfigError(f"memory.budget must be a finite number of bytes, got {shown(value)}.")
     return str(value) if isinstance(value, int) else format(value, "f")
 
 
@@ -244,10 +250,10 @@ def _build(tree: dict[str, Any]) -> Config:
     for section, values in tree.items():
         if section not in sections:
             close = difflib.get_close_matches(section, list(sections), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else f"; sections are {', '.join(sections)}"
-            raise ConfigError(f"unknown config section {section!r}{hint}.")
+            hint = f" (did you mean {shown(close[0])}?)" if close else f"; sections are {', '.join(sections)}"
+            raise ConfigError(f"unknown config section {shown(section)}{hint}.")
         if not isinstance(values, dict):
-            raise ConfigError(f"config section {section!r} must be a table, got {values!r}.")
+            raise ConfigError(f"config section {shown(section)} must be a table, got {shown(values)}.")
         cls = hints[section]
         field_types = typing.get_type_hints(cls)
         kwargs = {}
@@ -256,8 +262,8 @@ def _build(tree: dict[str, Any]) -> Config:
             if name not in field_types:
                 valid = [f"{section}.{n}" for n in field_types]
                 close = difflib.get_close_matches(key, valid, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else f"; valid keys: {', '.join(valid)}"
-                raise ConfigError(f"unknown config key {key!r}{hint}.")
+                hint = f" (did you mean {shown(close[0])}?)" if close else f"; valid keys: {', '.join(valid)}"
+                raise ConfigError(f"unknown config key {shown(key)}{hint}.")
             if key == "memory.budget":
                 value = _budget_text(value)
             kwargs[name] = _coerce(key, field_types[name], value)
@@ -276,24 +282,50 @@ def config_from_dict(tree: dict[str, Any], overrides: list[str] | None = None) -
     for item in overrides or []:
         key, eq, text = item.partition("=")
         if not eq:
-            raise ConfigError(f"--set {item!r} must look like section.key=value.")
+            raise ConfigError(f"--set {shown(item)} must look like section.key=value.")
         _set(tree, key.strip(), _parse_value(text.strip()))
+    check_depth(tree, "the config")
     return _build(tree)
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
-    """The parsed TOML file at ``path``; a ConfigError naming the problem if it cannot be read."""
+    """The parsed TOML file at ``path``; a ConfigError naming the problem if it cannot be read.
+
+    The file must be a regular file of at most :data:`MAX_CONFIG_BYTES`, nested at most
+    :data:`MAX_DEPTH` tables or arrays deep.
+    """
     p = Path(path)
+    where = f"config file {str(p)!r}"
+    text = read_bounded(p, "config file", MAX_CONFIG_BYTES, hint="give the path of a TOML file.")
     try:
-        if p.is_dir():
-            raise ConfigError(f"config file {str(p)!r} is a directory; give the path of a TOML file.")
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist; give the path of a TOML file.")
-        return tomllib.loads(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(p)!r} ({exc.strerror or exc}).") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}.") from None
+        tree = tomllib.loads(text.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        # NOTE: ValueError is TOMLDecodeError, or an integer of more than 4300 digits
+        raise ConfigError(f"{where} is not valid TOML: {shown(str(exc).rstrip('.'), 200)[1:-1]}.") from None
+    except RecursionError:
+        raise _too_deep(where, MAX_DEPTH) from None
+    check_depth(tree, where)
+    return tree
+
+
+def _too_deep(where: str, limit: int) -> ConfigError:
+    return ConfigError(f"{where} nests tables or arrays more than {limit} levels deep; a config needs a few.")
+
+
+def check_depth(tree: Any, where: str, limit: int = MAX_DEPTH) -> None:
+    """Refuse tables and arrays nested deeper than ``limit``, walking level by level (no recursion).
+
+    Raises:
+        ConfigError: one sentence naming ``where``.
+    """
+    level: list[Any] = [tree]
+    for _ in range(limit):
+        level = [
+            v for x in level for v in (x.values() if isinstance(x, dict) else x) if isinstance(v, dict | list)
+        ]
+        if not level:
+            return
+    raise _too_deep(where, limit)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

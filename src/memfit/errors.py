@@ -21,6 +21,7 @@ __all__ = [
     "UnsupportedPrecision",
     "UsageError",
     "is_out_of_memory",
+    "shown",
 ]
 
 _OOM_MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
@@ -36,6 +37,21 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError | MemoryError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters (a 5,000-character value
+    is named by its start, its end and its length, not echoed whole).
+
+    Example:
+        >>> print(shown("x" * 5000))
+        'xxxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxxxxxxxxxxxxxxxxx' (5002 characters)
+    """
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    half = max(1, (limit - 8) // 2)
+    return f"{text[:half]}...{text[-half:]} ({len(text)} characters)"
 
 
 class MemfitError(Exception):

@@ -36,10 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memfit.api_input import check_micro_batches
 from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
 from memfit.compiled import compile_in_place
-from memfit.errors import ConfigError, LeverRefused
+from memfit.errors import ConfigError, LeverRefused, NonFiniteLoss
 from memfit.levers.apply import apply_levers, fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
@@ -172,9 +173,25 @@ def planned_step(
             "fused_step.",
             "fused_step",
         )
+    check_micro_batches(batch, plan.micro_batches)
     if compile:
         compile_in_place(model)
     return training_step(model, batch, loss_fn, optimizer, state.precision, plan.micro_batches, clip_norm)
+
+
+def _finite(loss_fn: LossFn) -> LossFn:
+    """``loss_fn`` that raises :class:`NonFiniteLoss` before the backward of a non-finite loss."""
+
+    def checked(model: nn.Module, batch: Batch) -> torch.Tensor:
+        loss = loss_fn(model, batch)
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and not torch.isfinite(loss.detach()).all():
+            raise NonFiniteLoss(
+                f"the loss is {float(loss.detach())}, not finite, so this step was not taken (the weights "
+                "are those before it); lower the learning rate, check the data, or pass check_finite=False."
+            )
+        return loss
+
+    return checked
 
 
 def train_step(
@@ -186,6 +203,7 @@ def train_step(
     *,
     clip_norm: float | None = None,
     compile: bool = False,
+    check_finite: bool = True,
 ) -> float:
     """Run one training step exactly as ``plan`` says and return the batch's mean loss.
 
@@ -204,11 +222,18 @@ def train_step(
         clip_norm: clip the gradient norm to this; None: no clipping.
         compile: compile ``model`` in place before this step unless it runs compiled
             already (as ``memfit.prepare(..., compile=True)`` does).
+        check_finite: raise :class:`memfit.NonFiniteLoss` on a loss that is not finite,
+            before its backward, as :class:`memfit.Trainer` stops (one host sync per
+            micro-batch); False returns the NaN and steps the optimizer anyway.
 
     Returns:
         The loss of the whole batch as a float (the micro-batches' losses, weighted).
 
     Raises:
-        ConfigError: ``prepare`` was not called for this optimizer, or with another plan.
+        ConfigError: ``prepare`` was not called for this optimizer, or with another plan, or
+            the plan has more micro-batches than the batch has rows.
+        NonFiniteLoss: the loss was inf or NaN (with ``check_finite``); the optimizer did not
+            step, so the weights and optimizer state are those before this call.
     """
-    return planned_step(model, batch, loss_fn, optimizer, plan, clip_norm=clip_norm, compile=compile).loss
+    fn = _finite(loss_fn) if check_finite else loss_fn
+    return planned_step(model, batch, fn, optimizer, plan, clip_norm=clip_norm, compile=compile).loss

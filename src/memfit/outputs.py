@@ -15,8 +15,8 @@ Example:
     >>> d = Path(tempfile.mkdtemp())
     >>> check_output_file(d / "plan.json", "--out") == d / "plan.json"
     True
-    >>> write_text(d / "plan.json", "{}", "--out").read_text()
-    '{}'
+    >>> write_text(d / "plan.json", marked_json("plan", {"blocks": {}}), "--out").read_text().split()
+    ['{', '"memfit":', '"plan",', '"blocks":', '{}', '}']
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from memfit.errors import ConfigError
 
-__all__ = ["check_output_dir", "check_output_file", "write_text"]
+__all__ = ["MARKER", "check_output_dir", "check_output_file", "marked_json", "write_text"]
 
 
 def _nearest_existing(path: Path) -> Path:
@@ -78,22 +79,31 @@ def check_output_dir(path: str | os.PathLike[str], what: str) -> Path:
 
 #: An existing file larger than this is not read to see whether it is memfit's own output.
 _LARGEST_OWN_FILE = 64 * 2**20
+#: The field every JSON file memfit writes carries: the kind of file (``"plan"``, ``"profile"``).
+MARKER = "memfit"
 
 
-def _is_json_object(p: Path) -> bool:
-    """Whether ``p`` holds one JSON object, as every file memfit writes with ``--out`` does."""
+def marked_json(kind: str, data: dict[str, Any]) -> str:
+    """``data`` as the text of a JSON file memfit writes: a :data:`MARKER` field naming ``kind``
+    first (records read back with ``from_json`` ignore it)."""
+    return json.dumps({MARKER: kind, **data}, indent=2) + "\n"
+
+
+def _is_marked(p: Path) -> bool:
+    """Whether ``p`` is a regular file holding a JSON object with memfit's :data:`MARKER`."""
     try:
-        if p.stat().st_size > _LARGEST_OWN_FILE:
+        if not p.is_file() or p.stat().st_size > _LARGEST_OWN_FILE:
             return False
-        return isinstance(json.loads(p.read_text(encoding="utf-8")), dict)
-    except (OSError, ValueError):
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
         return False
+    return isinstance(data, dict) and isinstance(data.get(MARKER), str)
 
 
 def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
     """Refuse a file path for output that is a directory, or whose directory cannot be written,
-    or an existing file that is not a JSON object (memfit's plans and profiles are): a mistyped
-    ``--out`` must not replace a file memfit did not write.
+    or an existing file without memfit's marker (a ``"memfit"`` field, which every JSON file
+    memfit writes carries): a mistyped ``--out`` must not replace a file memfit did not write.
 
     Raises:
         ConfigError: one sentence naming ``what`` and the path.
@@ -102,10 +112,10 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> Path:
     try:
         if p.is_dir():
             raise ConfigError(f"{what} {str(p)!r} is a directory; give a file name.")
-        if p.exists() and not _is_json_object(p):
+        if (p.exists() or p.is_symlink()) and not _is_marked(p):
             raise ConfigError(
-                f"{what} {str(p)!r} exists and is not a JSON file memfit wrote, so it is not replaced; "
-                "give a new file name (or remove that file first)."
+                f"{what} {str(p)!r} exists and is not a file memfit wrote (it has no {MARKER!r} field), "
+                "so it is not replaced; give a new file name (or remove that file first)."
             )
         _check_writable(_nearest_existing(p.parent), p, what)
     except OSError as exc:

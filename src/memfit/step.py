@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.errors import ConfigError
 from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
 
@@ -59,6 +60,30 @@ def _value(loss: torch.Tensor) -> float:
     if isinstance(loss, FakeTensor) or loss.device.type == "meta":
         return float("nan")
     return float(loss.detach())
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a one-element tensor a backward can start from; else one sentence."""
+    if not isinstance(loss, torch.Tensor):
+        raise ConfigError(
+            f"loss_fn returned {type(loss).__name__} {_short(loss)}, not a tensor; return the loss as a "
+            "scalar tensor computed from the model's output (e.g. torch.nn.functional.cross_entropy(...))."
+        )
+    if loss.numel() != 1:
+        raise ConfigError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not a scalar; reduce it (e.g. .mean())."
+        )
+    if not loss.requires_grad:
+        raise ConfigError(
+            "loss_fn returned a tensor that does not depend on the model's parameters (no grad_fn); "
+            "compute it from the model's output, outside torch.no_grad()."
+        )
+    return loss
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def batch_size(batch: Batch) -> int:
@@ -120,7 +145,7 @@ def training_step(
     grad_norm = None
     for i, part in enumerate(parts):
         with precision.autocast():
-            loss = loss_fn(model, part)
+            loss = _scalar_loss(loss_fn(model, part))
         if i == 0 and after_forward is not None:
             after_forward()
         weight = batch_size(part) / total

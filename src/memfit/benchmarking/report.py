@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import csv
-import json
 import platform
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -24,6 +23,7 @@ from typing import Any
 
 from memfit.benchmarking.pareto import recommendation
 from memfit.budget import format_bytes
+from memfit.outputs import marked_json
 from memfit.records import BenchPoint
 from memfit.report.table import markdown_table, text_table
 
@@ -164,7 +164,7 @@ def write_bench_files(
         "recommendation": recommendation(points, budget_bytes),
         "points": [p.to_dict() for p in points],
     }
-    paths["json"].write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    paths["json"].write_text(marked_json("bench", payload), encoding="utf-8")
     with paths["csv"].open("w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(_CSV_FIELDS)

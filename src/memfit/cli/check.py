@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
@@ -17,12 +16,16 @@ from memfit.devices import resolve_device
 from memfit.errors import ConfigError, UnsupportedPrecision
 from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_dir
+from memfit.reading import read_bounded
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
 from memfit.train.build import build_model
 from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.vocab import PRECISIONS
+
+#: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
+MAX_PLAN_BYTES = 64 * 2**20
 
 HELP = "compare bf16/fp16 training against fp32 (noise band, overflow attribution): PASS, WARN or FAIL"
 
@@ -62,13 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _read_plan(path: str) -> Plan:
-    p = Path(path)
+    data = read_bounded(path, "plan file", MAX_PLAN_BYTES, hint="give the path of a plan.json.")
     try:
-        if not p.is_file():
-            raise ConfigError(f"plan file {path!r} does not exist; give the path of a plan.json.")
-        return Plan.from_json(p.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read plan file {path!r} ({exc.strerror or exc}).") from None
+        return Plan.from_json(data.decode("utf-8"))
     except (ValueError, TypeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"plan file {path!r} is not a memfit plan: {str(exc).rstrip('.')}.") from None
 

@@ -16,7 +16,7 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
 from memfit.levers.spec import normalize_levers
-from memfit.outputs import check_output_file, write_text
+from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.planning.maximize import MAXIMIZE, plan, resize_batch
 from memfit.records import Plan
 from memfit.report.table import text_table
@@ -112,9 +112,9 @@ def run(args: argparse.Namespace) -> int:
         levers=args.levers, verify=args.verify,
     )  # fmt: skip
     try:
-        write_text(args.out, result.to_json() + "\n", "the plan")
+        write_text(args.out, marked_json("plan", result.to_dict()), "the plan")
     except ConfigError as exc:
-        print(result.to_json())  # NOTE: the work is not lost: the plan goes to stdout
+        print(marked_json("plan", result.to_dict()), end="")  # NOTE: the work is not lost: it goes to stdout
         raise ConfigError(f"{str(exc).rstrip('.')}; the plan is printed above.") from None
     if args.json:
         print(result.to_json())

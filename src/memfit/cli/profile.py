@@ -14,7 +14,7 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
 from memfit.measuring.profile import profile
-from memfit.outputs import check_output_file, write_text
+from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.precision import Precision
 from memfit.records import EstimateEntry
 from memfit.report.memory_tables import block_table, strategy_table, verdict_line
@@ -66,9 +66,11 @@ def run(args: argparse.Namespace) -> int:
     prof = profile(model, batch, spec.loss_fn, opt, precision, repeats=args.repeats)
     if args.out:
         try:
-            write_text(args.out, prof.to_json() + "\n", "the profile")
+            write_text(args.out, marked_json("profile", prof.to_dict()), "the profile")
         except ConfigError as exc:
-            print(prof.to_json())  # NOTE: the work is not lost: the profile goes to stdout
+            print(
+                marked_json("profile", prof.to_dict()), end=""
+            )  # NOTE: the work is not lost: it goes to stdout
             raise ConfigError(f"{str(exc).rstrip('.')}; the profile is printed above.") from None
     if args.json:
         print(prof.to_json())

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.devices import resolve_device
 from memfit.train.distributed import end_worker_process
 from memfit.train.resume import resolve_resume
-from memfit.train.run import INTERRUPTED, train_from_config
+from memfit.train.run import TrainRun, train_from_config
 from memfit.train.setup import check_run
+from memfit.train.signals import exit_code
 
 HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
 
@@ -57,8 +59,19 @@ def check(args: argparse.Namespace) -> None:
         check_run(cfg, None, args.overwrite)
 
 
+def _resume_line(args: argparse.Namespace, result: TrainRun) -> str:
+    """One sentence after a stop signal: where the state is and the command that continues."""
+    state = result.files.get("state", result.out / "state.pt")
+    again = f"memfit train {args.config} --resume" if args.config else f"memfit train --resume {state}"
+    return (
+        f"memfit train: {result.trainer.stop_reason} after step {result.trainer.step_count}; its state is "
+        f"saved in {str(state)!r}: continue with {again}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Train; returns 0, or 130 after a Ctrl-C (the state of the last finished step is saved)."""
+    """Train; returns 0, or 128 + the signal after Ctrl-C (130), SIGTERM (143) or SIGHUP (129),
+    with the state of the last finished step saved."""
     _normalize(args)
     cfg = config_from_args(args)
     result = train_from_config(
@@ -69,7 +82,9 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         overrides=list(args.overrides) if args.resume and args.config is None else None,
     )
-    code = 130 if result.trainer.stop_reason == INTERRUPTED else 0
+    code = exit_code(result.trainer.stop_reason)
+    if code and result.trainer.dist.is_main:
+        print(_resume_line(args, result), file=sys.stderr)
     if result.trainer.dist.active and "TORCHELASTIC_RUN_ID" in os.environ:
         end_worker_process(code)  # a torchrun worker: see its NOTE
     return code

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.api_input import check_plan_inputs
 from memfit.budget import Budget, format_bytes
 from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget
@@ -304,6 +305,7 @@ def plan(
         ConfigError: the budget cannot be read, or ``maximize`` is unknown.
         LeverRefused: a lever named in ``levers`` cannot run here.
     """
+    check_plan_inputs(model, batch, optimizer)  # NOTE: issue 26: empty batch, another model's optimizer
     if maximize is None:
         result = planner.plan(
             model,

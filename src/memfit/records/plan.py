@@ -9,7 +9,10 @@ from memfit.errors import ConfigError
 from memfit.records.base import Record
 from memfit.vocab import LEVERS, normalize_modes
 
-__all__ = ["Plan"]
+__all__ = ["MAX_MICRO_BATCHES", "Plan"]
+
+#: More micro-batches than any batch holds rows (and than torch's index arithmetic takes).
+MAX_MICRO_BATCHES = 2**31 - 1
 
 
 @dataclass
@@ -63,6 +66,13 @@ class Plan(Record):
                 "make the plan again with memfit plan."
             )
         self.blocks = normalize_modes(self.blocks)
+        mb = self.micro_batches
+        if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= MAX_MICRO_BATCHES:
+            shown = repr(mb) if len(repr(mb)) <= 24 else f"a number of {len(repr(mb))} digits"
+            raise ConfigError(
+                f"a plan's micro_batches must be a whole number from 1 to {MAX_MICRO_BATCHES}, got {shown}; "
+                "make the plan again with memfit plan."
+            )
         unknown = [n for n in self.levers if n not in LEVERS]
         if unknown:
             raise ConfigError(

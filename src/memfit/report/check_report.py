@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from memfit.outputs import marked_json
 from memfit.records import PrecisionCheck, StabilityReport
 from memfit.report.table import markdown_table
 
@@ -206,6 +207,6 @@ def write_check_report(report: StabilityReport, out_dir: str | Path) -> dict[str
     out.mkdir(parents=True, exist_ok=True)
     paths = {"md": out / "check.md", "json": out / "check.json", "png": out / "check.png"}
     paths["md"].write_text(check_markdown(report), encoding="utf-8")
-    paths["json"].write_text(report.to_json(), encoding="utf-8")
+    paths["json"].write_text(marked_json("check", report.to_dict()), encoding="utf-8")
     plot_check(report, paths["png"])
     return paths

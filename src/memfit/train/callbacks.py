@@ -19,13 +19,18 @@ Example:
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from memfit.errors import StateError
+import torch
+
+from memfit.errors import ConfigError, StateError, is_out_of_memory
+from memfit.outputs import write_text
+from memfit.reading import read_bounded
 from memfit.records import StepMetrics
 
 if TYPE_CHECKING:
@@ -60,13 +65,24 @@ class Callback:
         return None
 
 
+#: The largest metrics log read back (a million steps take about 300 MB).
+_MAX_METRICS_BYTES = 2**30
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[StepMetrics]:
-    """Read a ``metrics.jsonl``; a last line cut short by a crash is skipped."""
+    """Read a ``metrics.jsonl``; a last line cut short by a crash is skipped.
+
+    Raises:
+        StateError: ``path`` is a directory, a FIFO or a device, or cannot be read.
+    """
     rows = []
     p = Path(path)
-    if not p.exists():
+    if not os.path.lexists(p):
         return []
-    for line in p.read_text(encoding="utf-8").splitlines():
+    data = read_bounded(
+        p, "the metrics log", _MAX_METRICS_BYTES, error=StateError, hint="move it away and run again."
+    )
+    for line in data.decode("utf-8", errors="replace").splitlines():
         try:
             rows.append(StepMetrics.from_dict(json.loads(line)))
         except (json.JSONDecodeError, ValueError, TypeError):
@@ -87,9 +103,10 @@ class MetricsLog(Callback):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = [] if keep_until is None else [m for m in read_metrics(self.path) if m.step <= keep_until]
-        with self.path.open("w", encoding="utf-8") as f:
-            for m in kept:
-                f.write(m.to_json(indent=None) + "\n")
+        try:
+            write_text(self.path, "".join(m.to_json(indent=None) + "\n" for m in kept), "the metrics log")
+        except ConfigError as exc:
+            raise StateError(str(exc)) from None
         self._file: IO[str] | None = None
         self.error: str | None = None
         """Why a line could not be written (the Trainer is then asked to stop), or None."""
@@ -120,6 +137,29 @@ class MetricsLog(Callback):
             self._file = None
 
 
+#: What ``torch.save``'s archive writer says when a write fails part-way (a full disk, or
+#: memory for its buffers running out): ``[enforce fail at inline_container.cc:...]``.
+_WRITE_FAILURES = ("inline_container", "unexpected pos", "PytorchStreamWriter failed")
+#: Reasons a second try may cure, once the step's memory is freed.
+_ROOM = ("out of memory", "no space", "file too large", "disk quota", *_WRITE_FAILURES)
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    return any(m in str(exc) for m in _WRITE_FAILURES)
+
+
+def _lack_of_room(reason: str) -> bool:
+    return any(m in reason.lower() for m in (r.lower() for r in _ROOM))
+
+
+def _free_memory(trainer: Trainer) -> None:
+    """Drop what the last step may still hold (gradients, cached blocks) before a second save."""
+    trainer.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class SaveState(Callback):
     """Save the training state every ``every`` steps and when :meth:`Trainer.fit` ends.
 
@@ -144,32 +184,47 @@ class SaveState(Callback):
         self.saved_step: int | None = None
 
     def _write(self, trainer: Trainer, path: Path) -> Path:
-        """Save to ``path``; when it cannot be written, save to a rescue folder and say so.
+        """Save to ``path``; when that fails for lack of memory or space, free what the step held
+        and try once more; when it still fails, save to a rescue folder and say so.
 
         Raises:
             StateError: ``path`` could not be written (the message names where the state
                 went instead, or the last state on disk).
         """
-        try:
-            trainer.save(path, data=self.data, extra=self.extra)
+        reason = self._try(trainer, path)
+        if reason is not None and _lack_of_room(reason):
+            _free_memory(trainer)
+            reason = self._try(trainer, path)
+        if reason is None:
             return path
-        except OSError as exc:
-            reason = exc.strerror or str(exc)
-        # NOTE: out of the except clause; the rescue folder is on another file system path,
-        # so a full or read-only output directory does not lose the steps since the last save.
+        # NOTE: the rescue folder is on another file system path, so a full or read-only
+        # output directory does not lose the steps since the last save.
         rescue = Path(tempfile.gettempdir()) / f"memfit-rescue-{os.getpid()}" / path.name
-        try:
-            trainer.save(rescue, data=self.data, extra=self.extra)
-        except OSError:
+        if self._try(trainer, rescue) is not None:
             kept = f"the last state on disk is {str(path)!r}" if path.exists() else "no state is on disk"
             raise StateError(
                 f"cannot write the training state {str(path)!r} ({reason}), nor a rescue copy; {kept}."
-            ) from None
+            )
         raise StateError(
             f"cannot write the training state {str(path)!r} ({reason}); the state of step "
-            f"{trainer.step_count} was saved to {str(rescue)!r} instead: make {str(path.parent)!r} "
-            f"writable and resume with memfit train --resume {rescue} --set train.out='{path.parent}'."
+            f"{trainer.step_count} was saved to {str(rescue)!r} instead: make {str(path.parent)!r} writable, "
+            f"with room, and resume with memfit train --resume {rescue} --set train.out='{path.parent}'."
         )
+
+    def _try(self, trainer: Trainer, path: Path) -> str | None:
+        """Save to ``path``; None when it worked, else why not (a failure to write or to allocate)."""
+        try:
+            trainer.save(path, data=self.data, extra=self.extra)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        except (MemoryError, RuntimeError) as exc:
+            if not (is_out_of_memory(exc) or _is_write_failure(exc)):
+                raise
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            if is_out_of_memory(exc):
+                return f"out of memory: {first}"
+            return f"the write stopped part-way, for lack of space or memory: {first}"
+        return None
 
     def _save(self, trainer: Trainer) -> None:
         self._write(trainer, self.path)

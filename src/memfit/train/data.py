@@ -25,8 +25,12 @@ import numpy as np
 import torch
 
 from memfit.errors import ConfigError
+from memfit.reading import read_bounded, read_prefix
 
-__all__ = ["BatchSampler", "ByteCorpus", "SyntheticBatches", "stdlib_source_dir"]
+__all__ = ["MAX_DATA_BYTES", "BatchSampler", "ByteCorpus", "SyntheticBatches", "stdlib_source_dir"]
+
+#: The most text a corpus holds in memory (``data.max_bytes`` above it is read as this much).
+MAX_DATA_BYTES = 2**34
 
 _TEXT_SUFFIXES = (
     ".py",
@@ -48,7 +52,9 @@ def stdlib_source_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
-def _read_dir(root: Path, max_bytes: int | None) -> bytes:
+def _read_dir(root: Path, max_bytes: int) -> bytes:
+    """The text files under ``root`` (sorted, recursive), read only up to ``max_bytes`` in all;
+    FIFOs, devices and unreadable files are skipped."""
     parts: list[bytes] = []
     total = 0
     for dirpath, dirnames, filenames in os.walk(root):
@@ -58,13 +64,12 @@ def _read_dir(root: Path, max_bytes: int | None) -> bytes:
         for name in sorted(filenames):
             if not name.endswith(_TEXT_SUFFIXES):
                 continue
-            try:
-                data = (Path(dirpath) / name).read_bytes()
-            except OSError:
+            data = read_prefix(Path(dirpath) / name, max_bytes - total)
+            if data is None:
                 continue
             parts.append(data)
             total += len(data)
-            if max_bytes is not None and total >= max_bytes:
+            if total >= max_bytes:
                 return b"\n".join(parts)[:max_bytes]
     return b"\n".join(parts)
 
@@ -92,22 +97,25 @@ class ByteCorpus:
     ) -> ByteCorpus:
         """Read a text file, or every text file under a directory (sorted, recursive).
 
-        ``path="stdlib"`` reads the Python standard library's source files.
+        ``path="stdlib"`` reads the Python standard library's source files. Only the first
+        ``max_bytes`` (at most :data:`MAX_DATA_BYTES`) are read, never the whole file first;
+        a FIFO, a device or a socket is refused (inside a directory: skipped).
+
+        Raises:
+            ConfigError: the path does not exist, is not a regular file or directory, cannot
+                be read, or holds under 1 KiB of text.
         """
         root = stdlib_source_dir() if str(path) == "stdlib" else Path(path)
+        limit = MAX_DATA_BYTES if max_bytes is None else min(max_bytes, MAX_DATA_BYTES)
+        hint = "set data.path to a text file, a directory of text files, or 'stdlib'."
         try:
-            if not root.exists():
-                raise ConfigError(
-                    f"data path {str(root)!r} does not exist; set data.path to a text file, a "
-                    "directory of text files, or 'stdlib'."
-                )
-            if root.is_dir():
-                data = _read_dir(root, max_bytes)
-            else:
-                data = root.read_bytes()
-                data = data[:max_bytes] if max_bytes is not None else data
+            is_dir = root.is_dir()
         except OSError as exc:
             raise ConfigError(f"cannot read data path {str(root)!r} ({exc.strerror or exc}).") from None
+        if is_dir:
+            data = _read_dir(root, limit)
+        else:
+            data = read_bounded(root, "data path", limit, whole=False, hint=hint)
         if len(data) < 1024:
             raise ConfigError(
                 f"data path {str(root)!r} holds only {len(data)} bytes of text; give at least 1 KiB."

@@ -22,7 +22,6 @@ Example (inside ``torchrun``, after :func:`memfit.train.distributed.init_distrib
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
+from memfit.outputs import marked_json
 from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
@@ -160,7 +160,7 @@ def rank_notes(trainer: Any, ctx: DistContext, out: Path, budget: int | None) ->
     peak = trainer.memory.peak_bytes if trainer.memory else None
     rows = gather_ranks(trainer.model, trainer.precision.mode, trainer.micro_batches, peak, ctx)
     if ctx.is_main:
-        (out / "ranks.json").write_text(json.dumps({"budget_bytes": budget, "ranks": rows}, indent=2) + "\n")
+        (out / "ranks.json").write_text(marked_json("ranks", {"budget_bytes": budget, "ranks": rows}))
     keys = ("blocks", "segments", "precision", "micro_batches")
     same = all(all(r[k] == rows[0][k] for k in keys) for r in rows)
     peaks = ", ".join(f"rank {r['rank']} {format_bytes(r['peak_bytes'] or 0)}" for r in rows)

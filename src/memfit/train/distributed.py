@@ -37,6 +37,7 @@ __all__ = [
     "DISTRIBUTED_MODES",
     "DistContext",
     "end_worker_process",
+    "global_max",
     "global_mean",
     "init_distributed",
     "local_batch",
@@ -143,6 +144,17 @@ def global_mean(value: float, ctx: DistContext) -> float:
         t = t.cuda()
     dist.all_reduce(t)
     return float(t.item()) / ctx.world_size
+
+
+def global_max(value: int, ctx: DistContext) -> int:
+    """The largest ``value`` over all ranks (the value itself without a process group)."""
+    if not ctx.active:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Module:

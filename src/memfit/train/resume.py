@@ -59,21 +59,31 @@ class Resumed:
     """What differs from the saved run, one sentence each."""
 
 
-def resolve_resume(resume: str, out: Path) -> Path:
+def resolve_resume(resume: str, out: Path) -> Path | None:
     """The state file ``--resume`` means: ``"auto"`` is ``OUT/state.pt`` (or, if a crash came
-    between its two renames, ``OUT/state.prev.pt``); anything else is a path."""
+    between its two renames, ``OUT/state.prev.pt``); anything else is a path.
+
+    Returns None for ``"auto"`` when ``OUT`` holds a run that was stopped before it saved its
+    first state (a ``metrics.jsonl`` and no state): that run starts again from step 0.
+
+    Raises:
+        StateError: ``OUT`` holds no run at all, or cannot be looked at.
+    """
     if resume != "auto":
         return Path(resume)
     path = out / "state.pt"
     try:
         here, before = path.exists(), previous_path(path).exists()
+        started = (out / "metrics.jsonl").exists()
     except OSError as exc:
         raise StateError(f"cannot look for a state in {str(out)!r} ({exc.strerror or exc}).") from None
     if not here and before:
         return previous_path(path)
+    if not here and started:
+        return None
     if not here:
         raise StateError(
-            f"nothing to resume in {str(out)!r}: it has no state.pt; run without --resume to start."
+            f"nothing to resume in {str(out)!r}: it holds no training run; run without --resume."
         )
     return path
 
@@ -129,7 +139,7 @@ def _schedule_note(before: dict[str, Any], after: Config, step: int) -> str | No
     )
 
 
-def resume_run(resume: str, cfg: Config, overrides: Sequence[str] | None = None) -> Resumed:
+def resume_run(resume: str, cfg: Config, overrides: Sequence[str] | None = None) -> Resumed | None:
     """Load the state ``resume`` names and work out the config the run continues with.
 
     Args:
@@ -138,10 +148,15 @@ def resume_run(resume: str, cfg: Config, overrides: Sequence[str] | None = None)
         overrides: given (a command line without a config file), the run continues with
             the *saved* config plus these ``--set`` overrides; None: with ``cfg``.
 
+    Returns:
+        None when the run in ``cfg.train.out`` saved no state yet (it starts again from step 0).
+
     Raises:
         StateError: the state cannot be loaded, or the config changes what shapes the numbers.
     """
     path = resolve_resume(resume, Path(cfg.train.out))
+    if path is None:
+        return None
     state = load_state(path)
     saved_tree = dict(state.get("extra") or {}).get("config") or {}
     saved = flatten(saved_tree) if isinstance(saved_tree, dict) else {}

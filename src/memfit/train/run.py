@@ -24,20 +24,16 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import signal
-import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from memfit.config import Config
 from memfit.errors import StateError
 from memfit.records import StepMetrics
-from memfit.report.plots import training_plots
 from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.train.dist_plan import rank_notes
 from memfit.train.distributed import DistContext, init_distributed, shutdown_distributed
@@ -48,15 +44,17 @@ from memfit.train.run_report import (
     done_line,
     run_notes,
     run_settings,
+    write_plots,
     write_report,
 )
 from memfit.train.setup import build_run, check_run
+from memfit.train.signals import STOP_REASONS, graceful_stop
 from memfit.train.trainer import Trainer
 
 __all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
 
-#: ``Trainer.stop_reason`` after a Ctrl-C.
-INTERRUPTED = "interrupted (Ctrl-C)"
+#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.train.signals.STOP_REASONS`).
+INTERRUPTED = STOP_REASONS[signal.SIGINT]
 
 
 @dataclass
@@ -76,26 +74,6 @@ class TrainRun:
         return self.files["state"]
 
 
-@contextlib.contextmanager
-def _graceful_interrupt(trainer: Trainer, echo: Callable[[str], None]) -> Iterator[None]:
-    """The first Ctrl-C stops training after the current step (whose state is then saved);
-    a second one interrupts at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def _on_sigint(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, previous)
-        trainer.stop(INTERRUPTED)
-        echo("memfit train: stopping after this step and saving the training state (Ctrl-C again to abort)")
-
-    previous = signal.signal(signal.SIGINT, _on_sigint)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def train_from_config(
     cfg: Config,
     resume: str | None = None,
@@ -108,7 +86,10 @@ def train_from_config(
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
 
     A new run (no ``resume``) refuses a ``train.out`` that already holds one, unless
-    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident.
+    ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident;
+    ``resume="auto"`` of a run stopped before it saved any state starts it again from step 0.
+    Ctrl-C, SIGTERM and SIGHUP stop it after the step in flight, whose state is saved
+    (:mod:`memfit.train.signals`; ``trainer.stop_reason`` says which).
     When resuming with ``overrides`` (``--set`` options of a command line without a config
     file), the run goes on with its saved config plus those (see :mod:`memfit.train.resume`).
 
@@ -122,7 +103,12 @@ def train_from_config(
     resumed: Resumed | None = None
     if resume:
         resumed = resume_run(resume, cfg, overrides)
-        cfg = resumed.cfg
+        if resumed is None:
+            where = repr(cfg.train.out)
+            print_notes(
+                [f"{where} holds a run stopped before it saved any state; it starts again from step 0"]
+            )
+        cfg = resumed.cfg if resumed is not None else cfg
     device = check_run(cfg, resume, overwrite)
     out = Path(cfg.train.out)
     # NOTE: every rank checks the files above before joining the process group, so no rank
@@ -181,7 +167,7 @@ def _train_joined(
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
         + f"{remaining} steps to {cfg.train.steps}"
     )
-    with _graceful_interrupt(trainer, echo):
+    with graceful_stop(trainer, echo):
         trainer.fit(
             built.sampler,
             remaining,
@@ -203,9 +189,13 @@ def _train_joined(
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
     notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
     notes += [f"planning: {m}" for m in built.plan.measured] if built.plan is not None else []
-    breakdown = trainer.memory.breakdown if trainer.memory else None
-    files.update(training_plots(out, history, breakdown, built.budget, f"memfit train: {cfg.model.name}"))
+    plots, failed = write_plots(out, history, trainer, built.budget, f"memfit train: {cfg.model.name}")
+    files.update(plots)
     images = [files[k].name for k in ("loss", "memory") if k in files]
-    write_report(files["report"], history, trainer, settings, notes, images)
+    write_report(files["report"], history, trainer, settings, [*notes, *([failed] if failed else [])], images)
+    if failed:
+        raise StateError(
+            f"{failed}; the training state, metrics.jsonl and report.md beside them are complete."
+        )
     echo(done_line(history, trainer, files))
     return TrainRun(out=out, trainer=trainer, history=history, resumed_from=resumed_from, files=files)

@@ -20,11 +20,20 @@ from memfit.config import Config
 from memfit.errors import StateError
 from memfit.outputs import write_text
 from memfit.records import StepMetrics
+from memfit.report.plots import training_plots
 from memfit.report.training import summarize, training_report
 from memfit.train.callbacks import Callback
 from memfit.train.trainer import Trainer
 
-__all__ = ["BudgetWatch", "EchoEvaluations", "done_line", "run_notes", "run_settings", "write_report"]
+__all__ = [
+    "BudgetWatch",
+    "EchoEvaluations",
+    "done_line",
+    "run_notes",
+    "run_settings",
+    "write_plots",
+    "write_report",
+]
 
 
 class BudgetWatch(Callback):
@@ -132,6 +141,17 @@ def write_report(
         raise StateError(
             f"{str(exc).rstrip('.')}; the training state and metrics.jsonl beside it are complete."
         ) from None
+
+
+def write_plots(
+    out: Path, history: Sequence[StepMetrics], trainer: Trainer, budget: int | None, title: str
+) -> tuple[dict[str, Path], str | None]:
+    """``loss.png`` and ``memory.png`` in ``out``: the files written, and why not, if they were not."""
+    breakdown = trainer.memory.breakdown if trainer.memory else None
+    try:
+        return training_plots(out, history, breakdown, budget, title), None
+    except OSError as exc:
+        return {}, f"cannot write the plots in {str(out)!r} ({exc.strerror or exc})"
 
 
 def done_line(history: Sequence[StepMetrics], trainer: Trainer, files: dict[str, Path]) -> str:

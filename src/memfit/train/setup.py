@@ -45,6 +45,7 @@ from memfit.train.dist_plan import plan_for_ranks
 from memfit.train.distributed import DistContext, wrap_model
 from memfit.train.oom import OomConfig
 from memfit.train.schedule import lr_schedule
+from memfit.train.state import state_key
 from memfit.train.trainer import Trainer
 
 __all__ = ["BuiltRun", "build_run", "check_run"]
@@ -57,6 +58,7 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
         ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
             (without ``resume`` or ``overwrite``); the device is not here; or
             ``checkpointing = "auto"`` lacks a budget.
+        StateError: the state key cannot be read or made.
     """
     out = check_output_dir(cfg.train.out, "train.out")
     if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
@@ -68,6 +70,7 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
             f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
             "--overwrite, or set train.out to another directory."
         )
+    state_key()  # NOTE: a key that cannot be read is refused now, not at the first save
     return resolve_device(cfg.train.device)
 
 

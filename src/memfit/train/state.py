@@ -4,9 +4,10 @@ This module is the file format only: it writes and reads a dict of tensors and p
 and captures and restores the global random generators. What goes into the dict is the
 Trainer's business (:meth:`memfit.Trainer.state_dict`).
 
-Trade-off: each save serializes the whole state into memory first and writes it once,
-so a save briefly needs the state's size in host memory; in exchange a crash at any
-moment leaves either the old file or the new one, never a half-written one.
+Trade-off: each save streams the archive into a temporary file and then reads it back once
+to sign it (twice the disk reads of a plain ``torch.save``, no second copy in host memory);
+in exchange a crash at any moment leaves either the old file or the new one, never a
+half-written one.
 
 File layout: ``MEMFIT-STATE-2\\n``, the payload length (8 bytes, little-endian), the
 HMAC-SHA256 of the payload (32 bytes), then the payload (a ``torch.save`` archive). The
@@ -43,6 +44,7 @@ import numpy as np
 import torch
 
 from memfit.errors import StateError
+from memfit.reading import read_bounded
 
 __all__ = [
     "KEY_ENV",
@@ -87,31 +89,49 @@ def state_key(create: bool = True) -> bytes:
     # processes starting at once agree on one key.
     """
     path = _key_path()
-    try:
-        key = path.read_bytes()
-    except FileNotFoundError:
-        if not create:
-            raise StateError(
-                f"the state key {str(path)!r} does not exist, so no state file can be authenticated; "
-                f"set {KEY_ENV} to the key file of the account that wrote it."
-            ) from None
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".state.key.", dir=path.parent)
+    key = _read_key(path)
+    if key is None and not create:
+        raise StateError(
+            f"the state key {str(path)!r} does not exist, so no state file can be authenticated; "
+            f"set {KEY_ENV} to the key file of the account that wrote it."
+        )
+    if key is None:
         try:
-            os.fchmod(fd, 0o600)
-            os.write(fd, secrets.token_bytes(32))
-            os.close(fd)
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        key = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read the state key {str(path)!r} ({exc.strerror or exc}).") from None
+            _create_key(path)
+        except OSError as exc:
+            raise StateError(f"cannot write the state key {str(path)!r} ({exc.strerror or exc}).") from None
+        key = _read_key(path) or b""
     if len(key) < 16:
         raise StateError(f"the state key {str(path)!r} is too short; delete it and a new one is made.")
     return key
+
+
+#: A state key is 32 bytes; a key file larger than this is not one.
+_MAX_KEY_BYTES = 4096
+
+
+def _read_key(path: Path) -> bytes | None:
+    """The key file's bytes (a regular file of at most 4 KiB), or None when there is none."""
+    if not os.path.lexists(path):
+        return None
+    return read_bounded(
+        path, "the state key", _MAX_KEY_BYTES, error=StateError,
+        hint=f"set {KEY_ENV} to a key file memfit made (32 random bytes), or unset it.",
+    )  # fmt: skip
+
+
+def _create_key(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".state.key.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, secrets.token_bytes(32))
+        os.close(fd)
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def _mac(key: bytes, payload: bytes | memoryview) -> bytes:
@@ -172,16 +192,10 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
     key = state_key()
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getbuffer()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(payload)) + _mac(key, payload))
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        with os.fdopen(fd, "w+b") as f:
+            _write_signed(f, state, key)
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
@@ -193,18 +207,34 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
     return path
 
 
+def _write_signed(f: Any, state: dict[str, Any], key: bytes) -> None:
+    """Header placeholder, the ``torch.save`` archive streamed to the file, then the header.
+
+    # NOTE: streamed, not built in memory first: a save needs no second copy of the state in
+    # host memory (the save after an out-of-memory re-plan failed that way). The archive's
+    # offsets are its own, so the payload loads from any position.
+    """
+    f.write(b"\0" * _HEADER)
+    torch.save(state, f)
+    length = f.tell() - _HEADER
+    f.seek(_HEADER)
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for chunk in iter(lambda: f.read(1 << 20), b""):
+        mac.update(chunk)
+    f.seek(0)
+    f.write(_MAGIC + struct.pack("<Q", length) + mac.digest())
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def _payload(path: Path) -> bytes:
     """The authenticated payload of a state file; raises a one-sentence StateError otherwise."""
-    try:
-        if path.is_dir():
-            raise StateError(
-                f"training state {str(path)!r} is a directory; give the path of a state.pt file."
-            )
-        if not path.is_file():
-            raise StateError(f"training state {str(path)!r} does not exist.")
-        data = path.read_bytes()
-    except OSError as exc:
-        raise StateError(f"cannot read training state {str(path)!r} ({exc.strerror or exc}).") from None
+    if path.is_dir():
+        raise StateError(f"training state {str(path)!r} is a directory; give the path of a state.pt file.")
+    size = _regular_size(path)
+    data = read_bounded(
+        path, "training state", size, error=StateError, hint="give the path of a state.pt file."
+    )
     if data.startswith(_OLD_MAGIC):
         raise StateError(
             f"training state {str(path)!r} was written by an older memfit without authentication; "
@@ -215,7 +245,7 @@ def _payload(path: Path) -> bytes:
     if len(data) < _HEADER:
         raise StateError(f"training state {str(path)!r} is truncated ({len(data)} bytes, header incomplete).")
     (length,) = struct.unpack("<Q", data[len(_MAGIC) : len(_MAGIC) + 8])
-    payload = data[_HEADER:]
+    payload = memoryview(data)[_HEADER:]
     if len(payload) != length:
         raise StateError(
             f"training state {str(path)!r} is truncated: it holds {len(payload)} of {length} payload bytes."
@@ -225,7 +255,17 @@ def _payload(path: Path) -> bytes:
             f"training state {str(path)!r} is damaged or was not written with this user's state key: "
             "its checksum (HMAC-SHA256) does not match."
         )
-    return payload
+    return bytes(payload)
+
+
+def _regular_size(path: Path) -> int:
+    """The size of ``path`` (what a read of it is bounded by); a missing file is one sentence."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        raise StateError(f"training state {str(path)!r} does not exist.") from None
+    except OSError as exc:
+        raise StateError(f"cannot read training state {str(path)!r} ({exc.strerror or exc}).") from None
 
 
 def verify_state(path: str | os.PathLike[str]) -> bool:

@@ -43,6 +43,7 @@ from memfit.step import Batch, LossFn
 from memfit.train.distributed import DistContext, unwrap
 from memfit.train.oom import OomConfig
 from memfit.train.sharded_state import load_sharded, save_sharded, sharded
+from memfit.train.signals import agreed_stop
 from memfit.train.state import capture_rng, load_state, restore_rng, save_state
 from memfit.train.stepper import Stepper
 from memfit.train.trainer_support import TrainerCallback, progress_postfix, to_device
@@ -244,6 +245,7 @@ class Trainer(Stepper):
                 bar.set_postfix_str(
                     progress_postfix(metrics, self.precision.scaler.is_enabled()), refresh=False
                 )
+                self.stop_reason = agreed_stop(self.stop_reason, self.dist)
                 if self.stop_reason is not None:
                     break
             completed = True
