@@ -24,4 +24,14 @@ def test_readme_extras_block_runs_as_pasted(
         if f"import {package}" in code or f"from {package}" in code:
             pytest.importorskip(package, reason=f"{package} is not installed")
     monkeypatch.chdir(tmp_path)
+    _fresh_accelerate()
     run_block(line, code)
+
+
+def _fresh_accelerate() -> None:
+    """Each block runs as in a fresh Python: accelerate's process-wide state (its mixed
+    precision, set by the Hugging Face Trainer block) is reset, as accelerate's own tests do."""
+    if "accelerate" in sys.modules:
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
