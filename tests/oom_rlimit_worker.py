@@ -13,9 +13,9 @@ follows the tensors alive.
 from __future__ import annotations
 
 import json
-import resource
 
 import torch
+from rlimit import address_space, lift_address_space_limit, limit_address_space
 
 from memfit.apply import apply
 from memfit.measuring.profile import profile
@@ -25,14 +25,6 @@ from memfit.train.oom import OomConfig
 from memfit.train.trainer import Trainer
 
 FAIL_AT, STEPS = 3, 5
-
-
-def _address_space() -> int:
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("VmSize"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -69,14 +61,12 @@ def main() -> None:
     assert a.memory is not None
     kept = a.memory.breakdown["params"] + a.memory.breakdown["optimizer"]
     transient = a.memory.peak_bytes - kept
-    start = _address_space()
-    limit = start + int(0.8 * transient)  # less than the first plan's step needs
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    start = address_space()
+    limit = limit_address_space(int(0.8 * transient))  # less than the first plan's step needs
     try:
         history += a.fit(batches[FAIL_AT - 1 :], steps=STEPS - FAIL_AT + 1)
     finally:
-        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        lift_address_space_limit()
 
     second = a.replans[-1].plan if a.replans else first
     b = _trainer(first)

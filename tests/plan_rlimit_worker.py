@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import time
 from typing import Any
 
 import torch
 from models_for_room import build
+from rlimit import limit_address_space
 
 import memfit
 from memfit.errors import MemfitError, is_out_of_memory
@@ -33,14 +33,6 @@ from memfit.measuring.profile import memory_profile
 from memfit.planning.maximize import resize_batch
 from memfit.precision import Precision
 from memfit.step import training_step
-
-
-def _address_space() -> int:
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("VmSize"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
 
 
 def _plain_fails(model: torch.nn.Module, batch: Any, loss_fn: Any, opt: torch.optim.Optimizer) -> bool:
@@ -71,9 +63,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     create_optimizer_state(model, opt)
     memory_profile(model, resize_batch(batch, 2), loss_fn, opt)  # loads what a first step needs
-    limit = _address_space() + int(args.room * args.peak)
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    limit_address_space(int(args.room * args.peak))
     if args.bench:
         points = memfit.bench(model, batch, loss_fn, opt, strategies=["fp32/none", "fp32/full"], steps=1)
         print("RESULT " + json.dumps({"points": [p.to_dict() for p in points]}))

@@ -271,3 +271,49 @@ def test_a_cuda_step_that_does_not_fit_is_planned_and_trained() -> None:
     assert all(math.isfinite(v) for v in losses)
     assert peak <= allowed and p.predicted_peak_bytes <= p.budget_bytes <= allowed
     assert any("fake-tensor twin" in n for n in p.notes), p.notes
+
+
+@linux_only
+def test_the_readme_largest_batch_command_answers_or_refuses_within_the_room() -> None:
+    """``memfit plan --maximize batch_size --budget 24GiB`` (issues 22 and 26): on a machine with
+    less room it is one sentence and exit 2 at once; with more, probes run under fake tensors.
+    Either way the process stays far below the room it read (the child's peak resident set)."""
+    import resource
+
+    free = room("cpu")
+    assert free is not None
+    tiny = ["--set", "model.n_layer=1", "--set", "model.n_embd=32", "--set", "model.n_head=2"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memfit.cli.main",
+            "plan",
+            "--maximize",
+            "batch_size",
+            "--budget",
+            "24GiB",
+            *tiny,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=worker_env(),
+    )
+    grown = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    if free.free < 24 * 2**30:
+        assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+        assert "is more than cpu has room for" in done.stderr
+    else:
+        assert done.returncode in (0, 2), done.stderr[-2000:]
+    assert grown < free.free
+
+
+def test_memfit_train_refuses_a_budget_over_the_device_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main(["train", "--set", "memory.budget=900TiB", "--set", f"train.out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is more than cpu has room for" in err and len(err.splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())

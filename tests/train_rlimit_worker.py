@@ -7,22 +7,13 @@ command line as ``memfit`` would and exits with its code.
 
 from __future__ import annotations
 
-import resource
 import sys
+
+from rlimit import limit_address_space
 
 from memfit.cli.main import main
 
-
-def _address_space() -> int:
-    with open("/proc/self/status", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("VmSize"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
-
-
 if __name__ == "__main__":
     allowance, argv = int(sys.argv[1]), sys.argv[2:]
-    _, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (_address_space() + allowance, hard))
+    limit_address_space(allowance)
     sys.exit(main(argv))

@@ -85,10 +85,11 @@ def refuse_over_room(budget_bytes: int, budget: Budget, r: Room | None, held: in
     if r is None or budget_bytes <= held + r.free:
         return
     of = f" ({budget} of the fp32 peak)" if budget.is_fraction else ""
+    free = f"{format_bytes(r.free)} free by {r.source}"
+    parts = f"{format_bytes(held)} of weights and optimizer state held now and {free}" if held else free
     raise ConfigError(
         f"the budget of {format_bytes(budget_bytes)}{of} is more than {device} has room for: "
-        f"{format_bytes(held + r.free)} ({format_bytes(held)} of weights and optimizer state held now "
-        f"and {format_bytes(r.free)} free by {r.source}); give at most that, or 'device'."
+        f"{format_bytes(held + r.free)} ({parts}); give at most that, or 'device'."
     )
 
 

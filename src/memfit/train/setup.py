@@ -32,10 +32,10 @@ from memfit.budget import Budget, format_bytes
 from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.config import Config
-from memfit.devices import resolve_device
+from memfit.devices import resolve_device, room
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
-from memfit.planning.planner import plan
+from memfit.planning.planner import plan, refuse_over_room
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
@@ -57,7 +57,8 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
     Raises:
         ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
             (without ``resume`` or ``overwrite``); the device is not here; or
-            ``checkpointing = "auto"`` lacks a budget.
+            ``checkpointing = "auto"`` lacks a budget, or the budget is more than the device
+            has room for.
         StateError: the state key cannot be read or made.
     """
     out = check_output_dir(cfg.train.out, "train.out")
@@ -71,7 +72,11 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
             "--overwrite, or set train.out to another directory."
         )
     state_key()  # NOTE: a key that cannot be read is refused now, not at the first save
-    return resolve_device(cfg.train.device)
+    device = resolve_device(cfg.train.device)
+    budget = Budget.parse(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
+    if budget is not None and budget.bytes is not None:  # nothing is built yet: all of it is room
+        refuse_over_room(budget.bytes, budget, room(device), 0, device)
+    return device
 
 
 @dataclass
