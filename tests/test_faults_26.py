@@ -387,3 +387,13 @@ def test_a_long_set_value_is_not_echoed_whole(capsys: pytest.CaptureFixture[str]
 def test_model_kwargs_on_the_built_in_gpt_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_error_line(capsys, ["train", "--set", "model.kwargs.preset='7b'"])
     assert "model.kwargs ('preset') goes to an 'import:' or 'hf:' model" in line
+
+
+def test_a_bounded_read_allocates_what_the_file_holds_not_the_bound(tmp_path: Path) -> None:
+    """A 1 TiB bound on a small file reads the file (one buffer of the bound would not fit)."""
+    from memfit.reading import read_bounded
+
+    path = tmp_path / "small.txt"
+    path.write_bytes(b"x" * 3000)
+    assert read_bounded(path, "a test file", 2**40) == b"x" * 3000
+    assert read_bounded(path, "a test file", 1000, whole=False) == b"x" * 1000

@@ -56,9 +56,22 @@ def _open(path: Path) -> int | None:
     return None
 
 
+#: Bytes read at a time: ``f.read(limit)`` would allocate ``limit`` bytes at once, whatever
+#: the file's size (a 1 GiB bound on a 1 KiB file is a 1 GiB buffer).
+_CHUNK = 1 << 20
+
+
 def _read(fd: int, limit: int) -> bytes:
+    parts: list[bytes] = []
+    left = limit
     with os.fdopen(fd, "rb") as f:
-        return f.read(limit)
+        while left > 0:
+            part = f.read(min(_CHUNK, left))
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+    return b"".join(parts)
 
 
 def read_bounded(
