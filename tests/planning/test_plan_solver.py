@@ -103,7 +103,9 @@ def test_ties_go_to_the_lowest_peak(profile: Profile, frac: float, tie: float) -
     fastest = space.fastest(budget)
     assert fastest is not None
     near = (space.peaks <= budget) & (space.times <= fastest + tie + 1e-9 * max(1.0, fastest))
-    assert got.block_seconds <= fastest + tie + 1e-6 * max(1.0, fastest)
+    # the solver's tie band (1e-6 of the fastest) is measured from HiGHS's first answer, itself
+    # proved only to its absolute gap (1e-6 of the normalised objective): OBJECTIVE_RTOL in all
+    assert got.block_seconds <= fastest + tie + OBJECTIVE_RTOL * max(1.0, fastest)
     assert got.peak_bytes <= int(space.peaks[near].min())
     assert solve(profile, budget, tie_seconds=tie) == got  # the same answer again
 
@@ -178,3 +180,42 @@ def test_hundred_block_solve_time(capsys: pytest.CaptureFixture[str]) -> None:
     assert sol is not None and sol.peak_bytes <= int(hi * 0.6)
     with capsys.disabled():
         print(f"\n100-block solve: {elapsed * 1000:.0f} ms")
+
+
+def test_a_tie_found_by_hypothesis_is_within_the_band_and_highs_gap() -> None:
+    """The case that showed the band is taken from HiGHS's first answer: 7.00001 s for 7.0 s."""
+    flat = {"none": 0, "full": 0}
+    blocks = [
+        BlockStats(
+            f"b{k}",
+            saved_bytes=dict(flat),
+            forward_peak_bytes=dict(flat),
+            backward_peak_bytes=dict(flat),
+            backward_seconds={"none": 1.0, "full": 1.0},
+        )
+        for k in range(4)
+    ]
+    blocks.append(
+        BlockStats(
+            "b4",
+            saved_bytes={"none": 2, "full": 0},
+            forward_peak_bytes={"none": 2, "full": 0},
+            backward_peak_bytes=dict(flat),
+            backward_seconds={"none": 1.0, "full": 2.0},
+        )
+    )
+    three = {"none": 0, "selective": 0, "full": 0}
+    blocks.append(
+        BlockStats(
+            "b5",
+            saved_bytes={"none": 1, "selective": 0, "full": 0},
+            forward_peak_bytes={"none": 1, "selective": 0, "full": 1},
+            backward_peak_bytes=three,
+            backward_seconds={"none": 1.0, "selective": 1.00001, "full": 1.0},
+        )
+    )
+    outside = BlockStats("outside", saved_bytes={"none": 0}, backward_peak_bytes={"none": 0})
+    profile = Profile("fp32", "cpu", 1, blocks, outside, 0, 0, 0, 0, chain_links=[False] * 4 + [True])
+    got = solve(profile, 1)
+    assert got is not None and got.peak_bytes <= 1
+    assert got.block_seconds <= 7.0 + OBJECTIVE_RTOL * 7.0
