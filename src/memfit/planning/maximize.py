@@ -232,9 +232,9 @@ def _plan_at(
     """The planner's plan at batch ``n``, or None if it needs micro-batches once measured
     (``why`` then receives the planner's reason, if it refused).
 
-    # NOTE: the probes' profiles time one step per mode (their bytes are exact, their times
-    # noisy); the answer is profiled again with the usual repeats, so that the planner
-    # chooses between fitting plans by steadier times.
+    # NOTE: the probes measure memory only (fake tensors, no times); the answer is profiled
+    # again with the usual timed steps, so that the planner chooses between fitting plans by
+    # their times, and measured for real.
     """
     try:
         sized = resize_batch(batch, n)
