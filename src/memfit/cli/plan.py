@@ -3,7 +3,7 @@
 Example:
     memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
     memfit plan run.toml --budget 2GiB --out plan.json
-    memfit plan --maximize batch_size --budget 1GiB      # the largest batch that fits
+    memfit plan --maximize batch_size --budget 256MiB    # the largest batch that fits
     memfit plan --budget device                           # what this device has room for
 """
 
