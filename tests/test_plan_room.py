@@ -317,3 +317,22 @@ def test_memfit_train_refuses_a_budget_over_the_device_before_any_work(
     err = capsys.readouterr().err.strip()
     assert "is more than cpu has room for" in err and len(err.splitlines()) == 1
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_fake_steps_leave_fp16_loss_scaling_real() -> None:
+    """A fake step runs without loss scaling: a scaler first used under fake tensors would keep
+    a fake scale, and every real fp16 step after it would fail."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    model, batch = tiny_gpt(n_layer=2), token_batch(16, 16)
+    opt = torch.optim.AdamW(model.parameters())
+    prec = Precision("fp16")
+    prof = profile(model, batch, gpt_loss, opt, prec, repeats=1)
+    assert prof.measured_peak_bytes > 0
+    scale = prec.scaler._scale
+    assert scale is None or not isinstance(scale, FakeTensor)
+    p = memfit.plan(model, batch, gpt_loss, "90%", opt, precision="fp16")
+    assert p.precision == "fp16" and p.measured_peak_bytes <= p.budget_bytes
+    points = memfit.bench(model, batch, gpt_loss, opt, strategies=["fp16/none", "fp16/full"], steps=1)
+    errors = {q.strategy: q.error for q in points}
+    assert errors["fp16/none"] == errors["fp16/full"] == "", errors

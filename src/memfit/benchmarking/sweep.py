@@ -52,7 +52,7 @@ from memfit.errors import ConfigError, MemfitError, OutOfMemory
 from memfit.measuring.memory import tracked_step
 from memfit.measuring.phases import optimizer_state_bytes, phased_step
 from memfit.measuring.preserve import create_optimizer_state
-from memfit.measuring.twin import make_twin
+from memfit.measuring.twin import make_twin, twin_precision
 from memfit.precision import Precision
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
@@ -125,7 +125,8 @@ def _refuse_what_cannot_fit(run: _Run, batch: Batch, loss_fn: LossFn, device: to
         twin = make_twin(run.model, run.optimizer, batch)
         with twin.mode:
             create_optimizer_state(twin.model, twin.optimizer)
-            mem = phased_step(twin.model, twin.batch, loss_fn, twin.optimizer, run.precision, [])
+            precision = twin_precision(run.precision)
+            mem = phased_step(twin.model, twin.batch, loss_fn, twin.optimizer, precision, [])
     except Exception:  # NOTE: what fake tensors cannot run is measured for real, as before
         return
     extra = mem.peak - mem.start + sum(optimizer_state_bytes(twin.optimizer).values())
@@ -173,10 +174,12 @@ def _baseline_flops(
 def _plain_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, plain: _Run, device: torch.device) -> int:
     """The plain step's FLOPs, counted on a fake-tensor twin (nothing allocated: the plain step
     need not fit); a model fake tensors cannot run is counted on a real copy."""
+    assert plain.precision is not None
     try:
         twin = make_twin(model, None, batch)
+        fake = _Run(strategy=plain.strategy, point=plain.point, precision=twin_precision(plain.precision))
         with twin.mode:
-            return _flops(uncheckpoint(twin.model.to(device)).train(), twin.batch, loss_fn, None, plain)
+            return _flops(uncheckpoint(twin.model.to(device)).train(), twin.batch, loss_fn, None, fake)
     except Exception:  # NOTE: what fake tensors cannot run is counted for real, as before
         copied = uncheckpoint(copy.deepcopy(model).to(device)).train()
         return _flops(copied, batch, loss_fn, None, plain)

@@ -50,6 +50,7 @@ from memfit.measuring.phases import (
 )
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
+from memfit.measuring.twin import twin_precision
 from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
@@ -60,11 +61,7 @@ __all__ = ["estimate"]
 
 
 def _fake_precision(mode: str, device: torch.device) -> Precision:
-    prec = Precision(mode, device=device)
-    # NOTE: GradScaler.step reads found_inf with .item(), which fake tensors cannot answer;
-    # loss scaling holds a few scalars, so the fake step runs fp16 without it.
-    prec.scaler = torch.amp.GradScaler(device.type, enabled=False)
-    return prec
+    return twin_precision(Precision(mode, device=device))
 
 
 def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -> EstimateEntry:

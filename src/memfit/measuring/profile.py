@@ -57,7 +57,7 @@ from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
 from memfit.measuring.tracker import device_of
-from memfit.measuring.twin import Twin, make_twin
+from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.segments import chain_probe
@@ -147,9 +147,10 @@ class Profiler:
             checked = batch_errors(model, batch) if twin is None else nullcontext()
             # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
             count = twin is not None or self.estimate is None
+            precision = twin_precision(self.precision) if twin is not None else self.precision
             with checked, chain_probe(model, self.blocks) as probe:
                 mem = phased_step(
-                    model, batch, self.loss_fn, optimizer, self.precision, self.blocks, count_flops=count
+                    model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
                 )
             # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
@@ -285,13 +286,14 @@ class Profiler:
         modes = [m for m in modes if m not in self.memory]
         active = [b for b in self.blocks if b not in self.stand_in]
         model, batch, optimizer, context = self._subject()
+        precision = twin_precision(self.precision) if self.fake else self.precision
         started = time.perf_counter()
         with context, skipping(model, list(self.stand_in)):
             for mode in modes:
                 set_block_modes(model, {b: mode for b in active})
                 with watch_copies(model, active, self.copied.setdefault(mode, {})):
                     self.memory[mode] = phased_step(
-                        model, batch, self.loss_fn, optimizer, self.precision, active, step_optimizer=False
+                        model, batch, self.loss_fn, optimizer, precision, active, step_optimizer=False
                     )
             uncheckpoint(model)
         if modes:

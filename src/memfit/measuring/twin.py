@@ -38,9 +38,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from memfit.precision import Precision
 from memfit.step import Batch
 
-__all__ = ["Twin", "make_twin"]
+__all__ = ["Twin", "make_twin", "twin_precision"]
 
 
 @dataclass
@@ -82,3 +83,15 @@ def make_twin(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: 
         fake_opt = _fake_optimizer(optimizer, fakes) if optimizer is not None else None
     fake_batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
     return Twin(mode, fake_model, fake_opt, fake_batch)
+
+
+def twin_precision(precision: Precision) -> Precision:
+    """``precision`` for a fake step: the same autocast, loss scaling off.
+
+    Loss scaling reads the gradients (``found_inf.item()``), which fake tensors cannot answer,
+    and a scaler first used under fake tensors would keep a fake scale for the real steps
+    after it; it holds a few scalars, so the fake step leaves it out.
+    """
+    fake = copy.copy(precision)
+    fake.scaler = torch.amp.GradScaler(precision.device.type, enabled=False)
+    return fake
