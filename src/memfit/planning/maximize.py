@@ -190,15 +190,11 @@ def _budget_bytes(
     """The budget in bytes, refused where it is more than the device holds (before any probe)."""
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     r, held = room(device), planner.held_bytes(model, optimizer)
-    if spec.bytes is not None:
-        planner.refuse_over_room(spec.bytes, spec, r, held, device)
     baseline = 0
     if spec.is_fraction:
         base = base or memory_profile(model, batch, loss_fn, optimizer, "fp32")
         baseline = base.measured_peak_bytes
-    budget_bytes = spec.resolve(baseline, room=held + r.usable if r is not None else None)
-    planner.refuse_over_room(budget_bytes, spec, r, held, device)
-    return budget_bytes
+    return planner.resolve_in_room(spec, baseline, r, held, device)
 
 
 def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) -> tuple[int, int]:

@@ -59,7 +59,14 @@ from memfit.step import Batch, LossFn, training_step
 from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["candidate_precisions", "held_bytes", "plan", "plan_from_profiles", "refuse_over_room"]
+__all__ = [
+    "candidate_precisions",
+    "held_bytes",
+    "plan",
+    "plan_from_profiles",
+    "refuse_over_room",
+    "resolve_in_room",
+]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
@@ -91,6 +98,14 @@ def refuse_over_room(budget_bytes: int, budget: Budget, r: Room | None, held: in
         f"the budget of {format_bytes(budget_bytes)}{of} is more than {device} has room for: "
         f"{format_bytes(held + r.free)} ({parts}); give at most that, or 'device'."
     )
+
+
+def resolve_in_room(budget: Budget, peak: int, r: Room | None, held: int, device: object) -> int:
+    """The budget in bytes: a percentage of ``peak``; ``"device"``: ``held`` plus the room less
+    its margin. Refused (:func:`refuse_over_room`) where it is more than the device holds."""
+    budget_bytes = budget.resolve(peak, room=held + r.usable if r is not None else None)
+    refuse_over_room(budget_bytes, budget, r, held, device)
+    return budget_bytes
 
 
 def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -137,21 +152,15 @@ class _Planner:
             message = fixed_bytes_message(fixed, budget_bytes, name, detail)
             raise InfeasibleBudget(message, fixed, budget_bytes)
 
-    def _refuse_over_room(self, budget_bytes: int) -> None:
-        refuse_over_room(budget_bytes, self.budget, self.room, self.held, _device(self.model))
-
     def resolve(self, peak: int) -> int:
-        """The budget in bytes (a percentage of ``peak``; ``"device"``: the room less its margin)."""
-        usable = self.held + self.room.usable if self.room is not None else None
-        budget_bytes = self.budget.resolve(peak, room=usable)
-        self._refuse_over_room(budget_bytes)
-        return budget_bytes
+        """The budget in bytes (:func:`resolve_in_room`)."""
+        return resolve_in_room(self.budget, peak, self.room, self.held, _device(self.model))
 
     def profiles(self) -> dict[str, Profile]:
         create_optimizer_state(self.model, self.optimizer)
         device = _device(self.model)
         if self.budget.bytes is not None:
-            self._refuse_over_room(self.budget.bytes)
+            refuse_over_room(self.budget.bytes, self.budget, self.room, self.held, device)
             self._refuse_fixed(self.budget.bytes)
         profilers = {
             p: Profiler(self.model, self.batch, self.loss_fn, self.optimizer, Precision(p, device=device))

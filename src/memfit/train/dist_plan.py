@@ -35,7 +35,7 @@ from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
 from memfit.outputs import marked_json
-from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles
+from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles, resolve_in_room
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
 from memfit.segments import applied_segments
@@ -65,9 +65,8 @@ def _plan_rank(
     base = ranked.get("fp32")
     baseline = simulate(base, "none").peak_bytes if base is not None else 0
     seconds = base.step_seconds if base is not None else 0.0
-    r = room(device)  # NOTE: read before sharding: what this rank holds now plus its room (conservative)
-    capacity = held_bytes(model, optimizer) + r.usable if r is not None else None
-    budget_bytes = budget.resolve(baseline, room=capacity)
+    # NOTE: read before sharding: what this rank holds now plus its room (conservative)
+    budget_bytes = resolve_in_room(budget, baseline, room(device), held_bytes(model, optimizer), device)
     result = plan_from_profiles({p: ranked[p] for p in wanted}, budget_bytes, baseline, seconds)
     result.notes.append(
         f"{ctx.mode} over {ctx.world_size} processes: planned on rank 0 for one rank's memory "
