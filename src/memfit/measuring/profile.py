@@ -68,6 +68,9 @@ from memfit.vocab import CHECKPOINT_MODES
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
 BLOCK_ROUNDS = 8
 
+_Optimizer = torch.optim.Optimizer
+_Context = AbstractContextManager[Any]
+
 __all__ = [
     "BLOCK_ROUNDS",
     "Profiler",
@@ -127,27 +130,24 @@ class Profiler:
         self.failed: set[tuple[str, int]] = set()
         """Timing configurations that ran out of memory."""
 
-    def _subject(self) -> tuple[nn.Module, Batch, torch.optim.Optimizer | None, AbstractContextManager[Any]]:
-        """What memory steps run on: the fake twin once the plain step was found not to fit."""
-        if self.fake and self.twin is not None:
-            return self.twin.model, self.twin.batch, self.twin.optimizer, self.twin.mode
-        return self.model, self.batch, self.optimizer, nullcontext()
+    def _subject(self, on_twin: bool) -> tuple[nn.Module, Batch, _Optimizer | None, Precision, _Context]:
+        """What a memory step runs on: the fake twin (loss scaling off) or the real model."""
+        twin = self.twin if on_twin else None
+        if twin is None:
+            return self.model, self.batch, self.optimizer, self.precision, nullcontext()
+        return twin.model, twin.batch, twin.optimizer, twin_precision(self.precision), twin.mode
 
     def _plain_step(self, on_twin: bool) -> StepMemory:
         """One tracked step without checkpointing (FLOPs counted), on the twin or the model."""
-        twin = self.twin if on_twin else None
-        model = twin.model if twin is not None else self.model
-        batch = twin.batch if twin is not None else self.batch
-        optimizer = twin.optimizer if twin is not None else self.optimizer
-        with twin.mode if twin is not None else nullcontext():
+        model, batch, optimizer, precision, context = self._subject(on_twin)
+        with context:
             create_optimizer_state(model, optimizer)
             uncheckpoint(model)
             model.train()
             # NOTE: a twin's failure is no verdict on the batch: the real step that follows judges it
-            checked = batch_errors(model, batch) if twin is None else nullcontext()
+            checked = batch_errors(model, batch) if not on_twin else nullcontext()
             # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
-            count = twin is not None or self.estimate is None
-            precision = twin_precision(self.precision) if twin is not None else self.precision
+            count = on_twin or self.estimate is None
             with checked, chain_probe(model, self.blocks) as probe:
                 mem = phased_step(
                     model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
@@ -285,8 +285,7 @@ class Profiler:
         on the fake twin where the plain step did not fit."""
         modes = [m for m in modes if m not in self.memory]
         active = [b for b in self.blocks if b not in self.stand_in]
-        model, batch, optimizer, context = self._subject()
-        precision = twin_precision(self.precision) if self.fake else self.precision
+        model, batch, optimizer, precision, context = self._subject(self.fake)
         started = time.perf_counter()
         with context, skipping(model, list(self.stand_in)):
             for mode in modes:
