@@ -20,9 +20,9 @@ import torch
 
 from memfit.check.attribution import OverflowWatch
 from memfit.check.guards import Guard
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.step import training_step
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 ROUNDS = 12
 

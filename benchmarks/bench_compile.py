@@ -30,8 +30,8 @@ import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 
 import memfit
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.step import training_step
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 
 def _variants(

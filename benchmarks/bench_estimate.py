@@ -29,9 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import memfit  # noqa: E402
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 from memfit.records import Estimate  # noqa: E402
 from memfit.report.table import markdown_table  # noqa: E402
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss  # noqa: E402
 from memfit.vocab import CHECKPOINT_MODES  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def scale() -> None:
         str(ROOT / ".venv/bin/memfit"),
         "estimate",
         "--set",
-        "model.name=import:memfit.train.llama:llama",
+        "model.name=import:memfit.models.llama:llama",
         "--set",
         'model.kwargs.preset="7b"',
         "--set",

@@ -20,9 +20,9 @@ import time
 import torch
 
 import memfit
+from memfit.app.data import BatchSampler, ByteCorpus
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.step import training_step
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 VARIANTS = {
     "fp32": ("fp32", {}),

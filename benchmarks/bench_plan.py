@@ -35,10 +35,10 @@ from memfit.benchmarking.planned import plan_strategy
 from memfit.benchmarking.sweep import bench
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpoint, uncheckpoint
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import BenchPoint, Plan
 from memfit.step import training_step
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 COMPARED = ["fp32/full", "fp32/every2", "fp32/sequential", "fp32/selective"]
 BUILTIN = ["fp32/none", *COMPARED]

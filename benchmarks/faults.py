@@ -69,8 +69,8 @@ def case(name: str) -> Callable[[Callable[[Path], tuple[str, str]]], None]:
 CRAFT = """
 import pickle, torch, warnings
 from pathlib import Path
-from memfit.train.sharded_state import save_sharded
-from memfit.train.trainer import Trainer
+from memfit.trainer.sharded_state import save_sharded
+from memfit.trainer.trainer import Trainer
 warnings.simplefilter("ignore")
 m = torch.nn.Linear(4, 4); o = torch.optim.AdamW(m.parameters())
 save_sharded(m, o, Path("state.pt"), {"step": 1}, True)
@@ -78,7 +78,7 @@ class P:
     def __reduce__(self): return (open, ("code-ran", "w"))
 Path("state.dcp/.metadata").write_bytes(pickle.dumps(P()))
 from memfit.errors import MemfitError
-from memfit.train.state import load_state, save_state, file_digest
+from memfit.trainer.state import load_state, save_state, file_digest
 t = Trainer(m, o, lambda mm, b: mm(b).sum(), "fp32", progress=False)
 for forge in (False, True):
     if forge:  # someone holding the key also fixes the digest
@@ -185,7 +185,7 @@ for command, out in (
 CHMOD = """
 import sys, tempfile
 from pathlib import Path
-import memfit.train.callbacks as cb, memfit.train.state as st
+import memfit.trainer.callbacks as cb, memfit.trainer.state as st
 from memfit.cli.main import main
 real, step_end = st.tempfile.mkstemp, cb.SaveState.on_step_end
 def deny(*a, **k):
@@ -305,7 +305,7 @@ def _(d: Path) -> tuple[str, str]:
 
 OOM = """
 import sys
-import memfit.train.run as run
+import memfit.app.run as run
 from oom_faults import KeptBytesLimit
 from test_oom import _Arm
 from memfit.cli.main import main

@@ -100,7 +100,7 @@ def _start_and_signal(d: Path, signum: int, at: int, extra: str = "") -> tuple[i
 
 
 def _state_step(d: Path) -> str:
-    code = "from memfit.train.state import load_state; print(load_state('run/state.pt')['step'])"
+    code = "from memfit.trainer.state import load_state; print(load_state('run/state.pt')['step'])"
     return python(code, d) if (d / "run" / "state.pt").exists() else "no state.pt"
 
 
@@ -153,7 +153,7 @@ def _(d: Path) -> tuple[str, str]:
 
 RETRY = """
 import sys
-from memfit.train import state
+from memfit.trainer import state
 real, calls = state._write_signed, []
 def once(f, s, k):
     calls.append(1)

@@ -7,8 +7,8 @@ import itertools
 import torch
 from torch import nn
 
-from memfit.train.build import ModelSpec
-from memfit.train.gpt import GPT, GPTConfig
+from memfit.app.build import ModelSpec
+from memfit.models.gpt import GPT, GPTConfig
 
 FACTOR = 1e5
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 
 Built = tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]
 

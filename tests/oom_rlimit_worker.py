@@ -19,10 +19,10 @@ from rlimit import address_space, lift_address_space_limit, limit_address_space
 
 from memfit.apply import apply
 from memfit.measuring.profile import profile
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.planning.planner import plan_from_profiles
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.oom import OomConfig
-from memfit.train.trainer import Trainer
+from memfit.trainer.oom import OomConfig
+from memfit.trainer.trainer import Trainer
 
 FAIL_AT, STEPS = 3, 5
 

@@ -23,8 +23,8 @@ from conftest import (
 from torch import nn
 
 from memfit.measuring.profile import profile
+from memfit.models.gpt import gpt_loss
 from memfit.records import Profile
-from memfit.train.gpt import gpt_loss
 
 Case = tuple[Callable[[], nn.Module], Any, Callable[..., torch.Tensor]]
 CASES: dict[str, Case] = {

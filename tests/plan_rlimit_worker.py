@@ -30,7 +30,7 @@ import memfit
 from memfit.errors import MemfitError, is_out_of_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.profile import memory_profile
-from memfit.planning.maximize import resize_batch
+from memfit.planning.largest_batch import resize_batch
 from memfit.precision import Precision
 from memfit.step import training_step
 

@@ -69,7 +69,7 @@ def plain_peak(name: str) -> int:
 
 def measured_unconstrained(name: str, plan: Plan, batch_rows: int | None = None) -> int:
     """The plan's peak measured with PyTorch's tracking in this (unconstrained) process."""
-    from memfit.planning.maximize import resize_batch
+    from memfit.planning.largest_batch import resize_batch
 
     model, batch, loss_fn = build(name)
     if batch_rows is not None:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 import memfit
+from memfit.app.config import load_config
 from memfit.budget import parse_bytes
 from memfit.cli.main import main
-from memfit.config import load_config
 from memfit.errors import ConfigError
-from memfit.train.callbacks import read_metrics
+from memfit.trainer.callbacks import read_metrics
 
 TINY = [
     "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2",
@@ -145,7 +145,7 @@ def test_check_out_and_train_out_naming_a_file(
     target = tmp_path / "results.txt"
     target.write_text("keep me")
     monkeypatch.setattr("memfit.cli.check.build_model", _refuse)
-    monkeypatch.setattr("memfit.train.setup.build_model", _refuse)
+    monkeypatch.setattr("memfit.app.setup.build_model", _refuse)
     line = _error(capsys, ["check", *TINY, "--out", str(target)])
     assert "--out" in line and "is a file" in line
     line = _error(capsys, ["train", *TINY, "--set", f"train.out='{target}'"])

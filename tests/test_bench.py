@@ -27,8 +27,8 @@ from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_s
 from memfit.checkpointing import checkpoint, checkpointed_blocks
 from memfit.devices import device_facts
 from memfit.errors import ConfigError
+from memfit.models.gpt import gpt_loss
 from memfit.records import BenchPoint
-from memfit.train.gpt import gpt_loss
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 recompute runs the same kernels: only summation order may differ
 FP32 = ["fp32/none", "fp32/full", "fp32/every2", "fp32/sequential", "fp32/selective"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 
 pytestmark = [
     pytest.mark.gpu,

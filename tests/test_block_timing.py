@@ -19,9 +19,9 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.measuring.block_timing import capture_block_inputs, time_block_modes
 from memfit.measuring.preserve import preserved
 from memfit.measuring.profile import Profiler
+from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
 from memfit.stepmodel import time_note
-from memfit.train.gpt import gpt_loss
 
 
 class Cache:

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from memfit.app.config import load_config
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.budget import format_bytes, parse_bytes
-from memfit.config import load_config
 from memfit.errors import ConfigError
 from memfit.records import BlockStats, Plan, Profile
-from memfit.train.data import BatchSampler, ByteCorpus
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ from torch import nn
 
 from memfit.check.attribution import OverflowWatch, attribute, grad_underflow_fractions
 from memfit.checkpointing import checkpoint
+from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
-from memfit.train.gpt import gpt_loss
 
 
 def _inject_nan(module: nn.Module) -> None:

@@ -12,9 +12,9 @@ from conftest import tiny_gpt, token_batch
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.models.gpt import gpt_loss
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import check_markdown, write_check_report
-from memfit.train.gpt import gpt_loss
 
 
 def _adamw(params):  # type: ignore[no-untyped-def]

@@ -22,7 +22,7 @@ from torch import nn
 
 import memfit
 from memfit.errors import ConfigError
-from memfit.train.gpt import gpt_loss
+from memfit.models.gpt import gpt_loss
 
 # fp32: the recompute runs the very same kernels on the very same inputs.
 FP32_TOL = {"rtol": 1e-6, "atol": 1e-7}

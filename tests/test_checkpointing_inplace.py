@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.hf_probe import without_caches
+from memfit.checkpointing.hf import without_caches
+from memfit.checkpointing.recompute import copies_made
 from memfit.measuring.inplace import inplace_parts
-from memfit.recompute import copies_made
 from memfit.stepmodel import simulate
 
 #: The recompute runs the very same fp32 kernels on the very same inputs.

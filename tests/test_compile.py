@@ -27,9 +27,9 @@ from torch import nn
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
+from memfit.models.gpt import gpt_loss
 from memfit.records import Plan
 from memfit.stepmodel import simulate
-from memfit.train.gpt import gpt_loss
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_compile_thread")]
 

@@ -13,8 +13,8 @@ from test_compile import CASES, COMPILED_TOL, STEPS
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
+from memfit.checkpointing.compile import is_compiled
 from memfit.cli.main import main
-from memfit.compiled import is_compiled
 from memfit.records import Plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_compile_thread")]
@@ -29,7 +29,7 @@ def _graphs() -> int:
 def test_planning_a_compiled_model_leaves_it_free_to_compile_the_plan() -> None:
     # NOTE: measured on torch 2.13: a compiled model run under MemTracker's dispatch mode was
     # never compiled again, so after memfit.apply it kept its un-checkpointed graph. Planning
-    # runs it eagerly (memfit.compiled.eager) and the plan's graph is compiled.
+    # runs it eagerly (memfit.checkpointing.compile.eager) and the plan's graph is compiled.
     torch._dynamo.reset()
     make, loss_fn, batch = CASES["gpt"]
     model = make()

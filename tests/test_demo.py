@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from memfit.cli.main import main
-from memfit.train.callbacks import read_metrics
+from memfit.trainer.callbacks import read_metrics
 
 
 def test_demo_short_run_writes_table_and_files(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]

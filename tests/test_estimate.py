@@ -11,9 +11,9 @@ from torch import nn
 
 import memfit
 from memfit.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.llama import llama
 from memfit.records import Estimate
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.llama import llama
 from memfit.vocab import CHECKPOINT_MODES
 
 #: The issue's accuracy bar: estimate within 5% of the measured peak.

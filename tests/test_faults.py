@@ -13,16 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.cli.main import main
 from memfit.errors import StateError
-from memfit.train import sharded_state
-from memfit.train import state as state_mod
-from memfit.train.callbacks import SaveState, read_metrics
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import gpt_loss
-from memfit.train.sharded_state import load_sharded, save_sharded
-from memfit.train.state import load_state, save_state
-from memfit.train.trainer import Trainer
+from memfit.models.gpt import gpt_loss
+from memfit.trainer import sharded_state
+from memfit.trainer import state as state_mod
+from memfit.trainer.callbacks import SaveState, read_metrics
+from memfit.trainer.sharded_state import load_sharded, save_sharded
+from memfit.trainer.state import load_state, save_state
+from memfit.trainer.trainer import Trainer
 
 TINY = [
     "--set", "model.n_layer=2", "--set", "model.n_embd=16", "--set", "model.n_head=2",
@@ -187,7 +187,7 @@ def test_memfit_train_in_a_directory_that_turns_unwritable(
     out = tmp_path / "run"
     argv = ["train", "--quiet", *TINY, "--set", "train.steps=6", "--set", "train.checkpoint_every=2",
             "--set", f"train.out='{out}'"]  # fmt: skip
-    import memfit.train.callbacks as callbacks
+    import memfit.trainer.callbacks as callbacks
 
     on_step_end = SaveState.on_step_end
 

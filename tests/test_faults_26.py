@@ -17,17 +17,17 @@ import pytest
 import torch
 
 import memfit
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.budget import Budget
 from memfit.cli.main import main
 from memfit.errors import ConfigError, NonFiniteLoss
+from memfit.models.gpt import gpt_loss
 from memfit.outputs import marked_json
 from memfit.records import Plan
-from memfit.train import state as state_mod
-from memfit.train.callbacks import SaveState, read_metrics
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import gpt_loss
-from memfit.train.state import load_state
-from memfit.train.trainer import Trainer
+from memfit.trainer import state as state_mod
+from memfit.trainer.callbacks import SaveState, read_metrics
+from memfit.trainer.state import load_state
+from memfit.trainer.trainer import Trainer
 
 TINY = [
     "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",

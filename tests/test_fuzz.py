@@ -31,9 +31,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from memfit.api_input import check_plan_inputs
+from memfit.app.config import Config, load_config
 from memfit.budget import parse_bytes
 from memfit.cli.main import _parser, parse_args
-from memfit.config import Config, load_config
 from memfit.errors import MemfitError
 from memfit.records import Plan
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from memfit.check.guards import Guard, GuardConfig
 from memfit.errors import ConfigError, NonFiniteLoss
+from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
-from memfit.train.gpt import gpt_loss
 
 
 def _train(guard: Guard, model: nn.Module, batches: list, loss_fn, precision: Precision):  # type: ignore[no-untyped-def]

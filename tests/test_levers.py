@@ -14,11 +14,11 @@ from memfit.check.stability import check_stability
 from memfit.errors import ConfigError, LeverRefused
 from memfit.levers import apply_levers, fused_step_of, lever_optimizer, remove_levers
 from memfit.levers import spec as lever_spec
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
 from memfit.stepmodel.levers import state_bytes
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 torchao = pytest.importorskip("torchao")
 

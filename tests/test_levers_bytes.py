@@ -22,12 +22,12 @@ from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
 from memfit.stepmodel import simulate
 from memfit.stepmodel.levers import with_levers
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 pytest.importorskip("torchao")
 

@@ -10,7 +10,7 @@ from memfit.cli.main import main
 
 pytest.importorskip("torchao")
 
-LLAMA = ["--set", "model.name=import:memfit.train.llama:llama", "--set", "train.batch_size=1"]
+LLAMA = ["--set", "model.name=import:memfit.models.llama:llama", "--set", "train.batch_size=1"]
 LLAMA += ["--set", "model.kwargs.block_size=2048", "--precision", "bf16", "--levers", "all"]
 
 

@@ -13,9 +13,9 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
 from memfit.loop import prepared
 from memfit.measuring.tracker import MemoryWatch
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.records import Plan
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.trainer import Trainer
+from memfit.trainer.trainer import Trainer
 
 #: The own loop and the Trainer run the same step function on the same weights: bit for bit.
 SAME_STEP_TOL = dict(rtol=0.0, atol=0.0)

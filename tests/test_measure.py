@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import memfit
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.records import BREAKDOWN_KEYS, MemoryReport
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 
 def _gpt() -> GPT:

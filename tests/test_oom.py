@@ -19,18 +19,18 @@ import torch
 from conftest import tiny_gpt
 from oom_faults import KeptBytesLimit
 
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.apply import apply
 from memfit.checkpointing import checkpointed_blocks
 from memfit.cli.main import main
 from memfit.errors import OutOfMemory
 from memfit.measuring.profile import profile
+from memfit.models.gpt import gpt_loss
 from memfit.planning.planner import plan_from_profiles
 from memfit.records import Plan, Profile, StepMetrics
-from memfit.train.callbacks import Callback, read_metrics
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import gpt_loss
-from memfit.train.oom import OomConfig
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import Callback, read_metrics
+from memfit.trainer.oom import OomConfig
+from memfit.trainer.trainer import Trainer
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 STEPS, FAIL_AT = 5, 3
@@ -176,7 +176,7 @@ def test_memfit_train_replans_and_writes_it_to_the_report(
     planned, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:  # type: ignore[no-untyped-def]
     """``memfit train`` with ``checkpointing = "auto"``: the device 'shrinks' after step 1."""
-    import memfit.train.run as run_mod
+    import memfit.app.run as run_mod
 
     build = run_mod.build_run
     limits: list[KeptBytesLimit] = []
@@ -236,7 +236,7 @@ def test_real_allocation_failure_under_rlimit_as_is_replanned() -> None:
 def test_cuda_out_of_memory_is_replanned_and_matches_the_new_plan() -> None:
     """A real ``torch.OutOfMemoryError``: the caching allocator is capped below the first plan's
     peak after two steps (``benchmarks/gpu_check.sh`` runs this)."""
-    from memfit.train.gpt import GPT, GPTConfig
+    from memfit.models.gpt import GPT, GPTConfig
 
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(1)

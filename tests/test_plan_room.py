@@ -29,10 +29,10 @@ from memfit.devices import Room, room
 from memfit.errors import ConfigError
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler, memory_profile, profile
+from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.stepmodel import simulate
-from memfit.train.gpt import gpt_loss
 
 
 @pytest.mark.slow
@@ -194,9 +194,9 @@ TRAIN_SETS = {
 @linux_only
 def test_memfit_train_with_a_budget_trains_a_step_that_does_not_fit(tmp_path: Path) -> None:
     """The plain step needs more than the process may allocate; ``memfit train`` plans and trains."""
+    from memfit.app.config import load_config
     from memfit.cli.model_args import batch_for, optimizer_fn, spec_for
-    from memfit.config import load_config
-    from memfit.train.callbacks import read_metrics
+    from memfit.trainer.callbacks import read_metrics
 
     sets = [f"{k}={v}" for k, v in TRAIN_SETS.items()]
     cfg = load_config(None, [s for s in sets if not s.startswith("memory.")])
@@ -234,8 +234,8 @@ def test_a_cuda_step_that_does_not_fit_is_planned_and_trained() -> None:
     plus half of the plain step's extra bytes; ``benchmarks/gpu_check.sh`` runs this."""
     import math
 
+    from memfit.models.gpt import GPT, GPTConfig
     from memfit.step import training_step
-    from memfit.train.gpt import GPT, GPTConfig
 
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import memfit.precision as precision_module
 from memfit import Precision
 from memfit.devices import device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.train.gpt import gpt_loss
+from memfit.models.gpt import gpt_loss
 
 
 def test_unknown_mode_lists_the_modes() -> None:

@@ -10,9 +10,9 @@ from torch import nn
 import memfit
 from memfit.checkpointing import checkpointed_blocks, set_block_modes
 from memfit.errors import ConfigError
+from memfit.models.gpt import gpt_loss
 from memfit.records import Profile
 from memfit.stepmodel import simulate
-from memfit.train.gpt import gpt_loss
 from memfit.vocab import CHECKPOINT_MODES
 
 #: Relative tolerance of "adds up to the measured number" (the issue asks for 5%).

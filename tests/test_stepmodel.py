@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from synthetic_profiles import profiles
 
 import memfit
+from memfit.models.gpt import gpt_loss
 from memfit.planning.planner import plan_from_profiles
 from memfit.records import BREAKDOWN_KEYS, Profile
 from memfit.stepmodel import all_options, block_options, events, simulate, tiling
-from memfit.train.gpt import gpt_loss
 
 #: Fake-tensor estimate vs measured profile of the same model: MemTracker counts the same
 #: tensors either way; the estimate is within 0.2% of measurement on the test models.

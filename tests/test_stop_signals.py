@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.config import load_config
+from memfit.app.config import load_config
+from memfit.app.run import train_from_config
 from memfit.records import StepMetrics
-from memfit.train.callbacks import Callback, read_metrics
-from memfit.train.run import train_from_config
-from memfit.train.signals import STOP_REASONS, exit_code, graceful_stop
-from memfit.train.state import load_state
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import Callback, read_metrics
+from memfit.trainer.signals import STOP_REASONS, exit_code, graceful_stop
+from memfit.trainer.state import load_state
+from memfit.trainer.trainer import Trainer
 
 TESTS = Path(__file__).parent
 STEPS = 24

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfit.app.config import load_config
+from memfit.app.run import train_from_config
 from memfit.cli.main import main
-from memfit.config import load_config
-from memfit.train.callbacks import read_metrics
-from memfit.train.run import train_from_config
-from memfit.train.state import load_state
+from memfit.trainer.callbacks import read_metrics
+from memfit.trainer.state import load_state
 
 TESTS = Path(__file__).parent
 STEPS = 20

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfit.app.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.errors import ConfigError
-from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
 
 
 def test_directory_of_text_files_is_read_sorted_and_split(tmp_path) -> None:
@@ -61,7 +61,7 @@ def test_synthetic_batches_depend_only_on_seed_and_index() -> None:
 def test_lr_schedule_works_for_any_number_of_steps() -> None:
     import torch
 
-    from memfit.train.schedule import lr_schedule
+    from memfit.app.schedule import lr_schedule
 
     for steps in range(1, 40):
         for warm in (0, 1, max(1, steps // 20), steps):

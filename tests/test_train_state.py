@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from memfit.errors import StateError
-from memfit.train import state as state_mod
-from memfit.train.state import capture_rng, load_state, previous_path, restore_rng, save_state, verify_state
+from memfit.trainer import state as state_mod
+from memfit.trainer.state import capture_rng, load_state, previous_path, restore_rng, save_state, verify_state
 
 
 def _state(step: int) -> dict:

@@ -12,10 +12,10 @@ from memfit import Plan
 from memfit.checkpointing import checkpoint, checkpointed_blocks, set_block_modes
 from memfit.errors import ConfigError
 from memfit.measuring.memory import measure
+from memfit.models.gpt import gpt_loss
 from memfit.records import StepMetrics
-from memfit.train.callbacks import Callback
-from memfit.train.gpt import gpt_loss
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import Callback
+from memfit.trainer.trainer import Trainer
 
 EXACT = {"rtol": 0.0, "atol": 0.0}
 #: Accumulating micro-batch gradients sums in a different order than one big batch.

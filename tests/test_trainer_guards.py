@@ -9,15 +9,15 @@ import torch
 from check_models import loud_mlp, mse, vector_batches
 from conftest import tiny_gpt
 
+from memfit.app.config import load_config
+from memfit.app.data import BatchSampler, ByteCorpus
+from memfit.app.run import train_from_config
 from memfit.check.guards import GuardConfig
-from memfit.config import load_config
 from memfit.errors import NonFiniteLoss
+from memfit.models.gpt import gpt_loss
 from memfit.records import StepMetrics
-from memfit.train.callbacks import Callback, SaveState, read_metrics
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import gpt_loss
-from memfit.train.run import train_from_config
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import Callback, SaveState, read_metrics
+from memfit.trainer.trainer import Trainer
 
 
 def _sampler() -> BatchSampler:

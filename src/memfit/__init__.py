@@ -5,12 +5,12 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 
 The top level holds the verbs and the few types a user holds; everything else lives in
 the module that owns it (records in :mod:`memfit.records`, errors in :mod:`memfit.errors`,
-budgets in :mod:`memfit.budget`, the built-in GPT in :mod:`memfit.train.gpt`, guards and
+budgets in :mod:`memfit.budget`, the built-in GPT in :mod:`memfit.models.gpt`, guards and
 thresholds in :mod:`memfit.check`). See docs/ARCHITECTURE.md for the map.
 
 Example:
     >>> import torch, memfit
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> memfit.find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -26,10 +26,10 @@ from memfit.loop import prepare, train_step
 from memfit.measuring.estimate import estimate
 from memfit.measuring.memory import measure
 from memfit.measuring.profile import profile
-from memfit.planning.maximize import plan
+from memfit.planning.largest_batch import plan
 from memfit.precision import Precision
 from memfit.records import Plan
-from memfit.train.trainer import Trainer
+from memfit.trainer.trainer import Trainer
 
 __version__ = "0.1.0"
 

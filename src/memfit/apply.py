@@ -25,9 +25,9 @@ import difflib
 from torch import nn
 
 from memfit.checkpointing import find_blocks, set_block_modes, uncheckpoint
+from memfit.checkpointing.segments import set_segments
 from memfit.errors import ConfigError, MemfitError
 from memfit.records import Plan
-from memfit.segments import set_segments
 from memfit.vocab import PRECISIONS, normalize_modes
 
 __all__ = ["apply", "check_plan_fits"]

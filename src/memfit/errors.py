@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "CheckpointError",
     "ConfigError",
     "InfeasibleBudget",
     "LeverRefused",
@@ -99,6 +100,14 @@ class NonFiniteLoss(MemfitError):
         super().__init__(message)
         self.attribution = attribution
         self.state_path = state_path
+
+
+class CheckpointError(MemfitError, RuntimeError):
+    """A checkpointed block's recompute would not reproduce its forward (an input or a kept
+    output was written in place after the forward); the message names the block and the mode to use.
+
+    It is also a ``RuntimeError``, as PyTorch's own checkpoint errors are.
+    """
 
 
 class StateError(MemfitError):

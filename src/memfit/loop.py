@@ -8,7 +8,7 @@ planned: the batch split into ``plan.micro_batches`` micro-batches under autocas
 gradient accumulation (the effective batch is unchanged), scaled backward, clipping when
 asked, the optimizer step through the scaler, and gradients zeroed. :class:`memfit.Trainer`
 runs the same two calls. ``compile=True`` (to either) compiles the model in place with
-``torch.compile`` after the plan is applied (see :mod:`memfit.compiled`).
+``torch.compile`` after the plan is applied (see :mod:`memfit.checkpointing.compile`).
 
 Trade-off: the step owns ``zero_grad`` and ``optimizer.step()``, so a loop that needs to
 act between backward and the optimizer step (gradient surgery, custom clipping) uses
@@ -16,7 +16,7 @@ act between backward and the optimizer step (gradient surgery, custom clipping) 
 
 Example:
     >>> import torch, memfit
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> torch.manual_seed(0) and None
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -39,14 +39,14 @@ from torch import nn
 from memfit.api_input import check_micro_batches
 from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
-from memfit.compiled import compile_in_place
+from memfit.checkpointing.compile import compile_in_place
+from memfit.checkpointing.segments import applied_segments
 from memfit.errors import ConfigError, LeverRefused, NonFiniteLoss
 from memfit.levers.apply import apply_levers, fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
-from memfit.segments import applied_segments
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.train.distributed import unwrap
+from memfit.trainer.distributed import unwrap
 from memfit.vocab import normalize_modes
 
 __all__ = ["Prepared", "planned_step", "prepare", "prepared", "train_step"]

@@ -27,9 +27,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.forward_layers import set_forward_layer
 from memfit.vocab import PRECISION_CHOICES
 
 __all__ = ["DTYPES", "Precision"]

@@ -14,13 +14,13 @@ import torch.distributed as dist
 from memfit.apply import apply
 from memfit.measuring.profile import profile
 from memfit.measuring.tracker import MemoryWatch
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.planning.planner import plan_from_profiles
 from memfit.planning.sharding import shard_profile
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import training_step
-from memfit.train.distributed import init_distributed, local_batch, wrap_model
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+from memfit.trainer.distributed import init_distributed, local_batch, wrap_model
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.train.callbacks import read_metrics
+from memfit.trainer.callbacks import read_metrics
 
 HERE = Path(__file__).parent
 #: Gradients are averaged over ranks instead of over the whole batch at once: a few ulps.
@@ -62,8 +62,8 @@ def _torchrun(*args: str, timeout: int = 180) -> str:
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
-    from memfit.config import load_config
-    from memfit.train.run import train_from_config
+    from memfit.app.config import load_config
+    from memfit.app.run import train_from_config
 
     tmp = tmp_path_factory.mktemp("dist")
     data = tmp / "corpus.txt"
@@ -129,8 +129,8 @@ budget = "60%"
 
 @pytest.fixture(scope="module")
 def auto_setup(setup: tuple[Path, list[float]]) -> tuple[Path, list[float]]:
-    from memfit.config import load_config
-    from memfit.train.run import train_from_config
+    from memfit.app.config import load_config
+    from memfit.app.run import train_from_config
 
     tmp = setup[0].parent
     config = tmp / "auto.toml"

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfit.train.callbacks import read_metrics
-from memfit.train.state import load_state
+from memfit.trainer.callbacks import read_metrics
+from memfit.trainer.state import load_state
 
 TESTS = Path(__file__).parent.parent
 STEPS = 10

@@ -134,7 +134,9 @@ def test_memfit_train_hf_config_name_and_local_directory(tmp_path: Path) -> None
         assert (
             cls in (out / "report.md").read_text(encoding="utf-8") or name in (out / "report.md").read_text()
         )
-    spec = memfit.train.build.build_model(memfit.config.load_config(None, [f"model.name='hf:{saved}'"]).model)
+    spec = memfit.app.build.build_model(
+        memfit.app.config.load_config(None, [f"model.name='hf:{saved}'"]).model
+    )
     for a, b in zip(spec.model.parameters(), local.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

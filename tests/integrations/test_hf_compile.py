@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="memfit[hf] extra (transformers) not installed")
 
 import memfit  # noqa: E402
-from memfit.compiled import is_compiled  # noqa: E402
+from memfit.checkpointing.compile import is_compiled  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import memfit
 from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.records import Plan
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 #: The same fp32 steps, accumulated by the library instead of memfit: a few ulps apart.
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)

@@ -12,10 +12,10 @@ from memfit.cli.main import main
 from memfit.errors import ConfigError
 from memfit.measuring.memory import measure
 from memfit.measuring.profile import profile
-from memfit.planning.maximize import resize_batch
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+from memfit.planning.largest_batch import resize_batch
 from memfit.planning.solver import minimum_peak, solve
 from memfit.records import Plan
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 MIB = 1 << 20
 

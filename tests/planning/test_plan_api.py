@@ -9,11 +9,11 @@ from conftest import tiny_gpt, token_batch
 import memfit
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks
+from memfit.models.gpt import gpt_loss
 from memfit.planning.planner import plan_from_profiles
 from memfit.planning.solver import minimum_peak
 from memfit.records import BlockStats, Plan, Profile
 from memfit.stepmodel import simulate
-from memfit.train.gpt import gpt_loss
 
 
 def _profile(precision: str = "fp32", bytes_per: int = 4, seconds: float = 1.0, blocks: int = 4) -> Profile:

@@ -19,10 +19,10 @@ from torch import nn
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks, uncheckpoint
+from memfit.checkpointing.segments import set_segments
 from memfit.errors import ConfigError
 from memfit.precision import Precision
 from memfit.records import Plan
-from memfit.segments import set_segments
 from memfit.step import training_step
 from memfit.stepmodel import all_options, simulate
 

@@ -17,10 +17,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import memfit
+from memfit.app.config import load_config
 from memfit.cli.main import main
 from memfit.cli.model_args import batch_for, optimizer_fn, spec_for
-from memfit.config import load_config
-from memfit.train.gpt import gpt_loss
+from memfit.models.gpt import gpt_loss
 
 TINY = [
     "--set", "model.n_layer=3", "--set", "model.n_embd=32", "--set", "model.n_head=2",

@@ -9,13 +9,13 @@ from conftest import tiny_gpt, token_batch
 
 import memfit
 from memfit.benchmarking.sequential import install_sequential, uninstall_sequential
+from memfit.models.gpt import gpt_loss
 from memfit.planning.choose import TIE, plan_from_profiles
 from memfit.planning.notes import standard_note
 from memfit.planning.solver import solve
 from memfit.planning.standard import PREFER_STANDARD, sqrt_segments, standard_name, standard_tilings
 from memfit.records import BlockStats, Plan, Profile
 from memfit.stepmodel import predict_options_seconds, simulate, tiling
-from memfit.train.gpt import gpt_loss
 
 
 def _block(name: str, full_seconds: float = 3.0, selective_seconds: float = 2.6) -> BlockStats:

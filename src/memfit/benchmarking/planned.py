@@ -9,7 +9,7 @@ the bench starts, so the planner's points cost a little more set-up than the bui
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (4, 16))
     >>> opt = torch.optim.AdamW(model.parameters())

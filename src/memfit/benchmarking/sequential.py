@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint_sequential
 
 from memfit.checkpointing import find_blocks
+from memfit.checkpointing.layers import set_forward_layer
 from memfit.errors import MemfitError
-from memfit.forward_layers import set_forward_layer
 from memfit.planning.standard import sqrt_segments
 
 __all__ = ["NotSequential", "install_sequential", "sqrt_segments", "uninstall_sequential"]

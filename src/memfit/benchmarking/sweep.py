@@ -11,7 +11,7 @@ interleaving makes a run as slow as all strategies together.
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
     >>> points = bench(model, (x, x), gpt_loss, torch.optim.AdamW(model.parameters()),

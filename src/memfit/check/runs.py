@@ -11,7 +11,7 @@ guarantees that no state leaks from one run to the next.
 Example:
     >>> import torch
     >>> from tqdm import tqdm
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> def model_fn():
     ...     return GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     >>> batches = [(torch.randint(0, 256, (2, 8)),) * 2]

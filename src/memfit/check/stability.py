@@ -12,7 +12,7 @@ module while they run), so it is for before a long run, not for every step of on
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> def model_fn():
     ...     return GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     >>> batches = [(torch.randint(0, 256, (2, 8)),) * 2 for _ in range(3)]

@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 
+from memfit.app.build import build_model
+from memfit.app.config import Config, read_toml
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.benchmarking.copies import batch_to
 from memfit.benchmarking.pareto import recommendation
 from memfit.benchmarking.planned import planner_strategies
@@ -24,12 +27,9 @@ from memfit.benchmarking.strategies import builtin_strategies, resolve_strategie
 from memfit.benchmarking.sweep import bench
 from memfit.budget import Budget
 from memfit.cli.common import add_config_arguments, config_from_args
-from memfit.config import Config, read_toml
 from memfit.devices import device_facts, resolve_device
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
-from memfit.train.build import build_model
-from memfit.train.data import BatchSampler, ByteCorpus
 
 HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
 

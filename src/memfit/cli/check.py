@@ -7,11 +7,13 @@ import sys
 
 import torch
 
+from memfit.app.build import build_model
+from memfit.app.config import Config
+from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.apply import check_plan_fits
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
 from memfit.cli.common import add_config_arguments, config_from_args
-from memfit.config import Config
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError, UnsupportedPrecision
 from memfit.levers.spec import normalize_levers
@@ -20,8 +22,6 @@ from memfit.reading import read_bounded
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
-from memfit.train.build import build_model
-from memfit.train.data import BatchSampler, ByteCorpus
 from memfit.vocab import PRECISIONS
 
 #: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).

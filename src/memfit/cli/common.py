@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from memfit.config import Config, load_config
+from memfit.app.config import Config, load_config
 
 __all__ = ["add_config_arguments", "config_from_args"]
 

@@ -24,20 +24,20 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from memfit.app.data import BatchSampler, ByteCorpus
+from memfit.app.schedule import lr_schedule
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.outputs import check_output_dir, write_text
 from memfit.planning.planner import plan
 from memfit.records import MemoryReport, Plan
 from memfit.report.plots import loss_plot, memory_plot
 from memfit.report.table import markdown_table, mode_counts, text_table
 from memfit.report.training import median_step_seconds, memory_rows, summarize
-from memfit.train.callbacks import MetricsLog
-from memfit.train.data import BatchSampler, ByteCorpus
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
-from memfit.train.schedule import lr_schedule
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import MetricsLog
+from memfit.trainer.trainer import Trainer
 
 HELP = "train the built-in GPT on Python's own source: the baseline, then in less memory"
 

@@ -2,7 +2,7 @@
 
 Example:
     memfit estimate --set model.n_layer=12 --set model.n_embd=768 --device-memory 24GiB
-    memfit estimate --set model.name=import:memfit.train.llama:llama --set model.kwargs.preset=7b \\
+    memfit estimate --set model.name=import:memfit.models.llama:llama --set model.kwargs.preset=7b \\
         --set train.batch_size=1 --device-memory 80GiB
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.app.build import build_model
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
@@ -18,7 +19,6 @@ from memfit.measuring.estimate import estimate
 from memfit.planning.levers import smallest_with_levers
 from memfit.records import Estimate
 from memfit.report.memory_tables import strategy_table, verdict_line
-from memfit.train.build import build_model
 from memfit.vocab import PRECISIONS
 
 HELP = "predict peak memory for every precision x checkpointing mode with fake tensors (no allocation)"

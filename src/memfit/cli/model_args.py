@@ -7,10 +7,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from memfit.config import Config
+from memfit.app.build import ModelSpec, build_model
+from memfit.app.config import Config
 from memfit.devices import resolve_device
 from memfit.step import Batch
-from memfit.train.build import ModelSpec, build_model
 
 __all__ = ["batch_for", "describe", "optimizer_fn", "run_device", "spec_for"]
 

@@ -17,7 +17,7 @@ from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device,
 from memfit.errors import ConfigError
 from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_file, marked_json, write_text
-from memfit.planning.maximize import MAXIMIZE, plan, resize_batch
+from memfit.planning.largest_batch import MAXIMIZE, plan, resize_batch
 from memfit.records import Plan
 from memfit.report.table import text_table
 from memfit.vocab import PRECISION_CHOICES

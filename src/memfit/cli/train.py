@@ -11,13 +11,13 @@ import os
 import sys
 from pathlib import Path
 
+from memfit.app.resume import resolve_resume
+from memfit.app.run import TrainRun, train_from_config
+from memfit.app.setup import check_run
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.devices import resolve_device
-from memfit.train.distributed import end_worker_process
-from memfit.train.resume import resolve_resume
-from memfit.train.run import TrainRun, train_from_config
-from memfit.train.setup import check_run
-from memfit.train.signals import exit_code
+from memfit.trainer.distributed import end_worker_process
+from memfit.trainer.signals import exit_code
 
 HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
 

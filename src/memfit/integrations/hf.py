@@ -32,8 +32,8 @@ import torch
 from torch import nn
 
 from memfit.checkpointing import checkpointed_blocks
+from memfit.checkpointing.hf import hf_checkpointing_active
 from memfit.errors import ConfigError
-from memfit.hf_probe import hf_checkpointing_active
 
 __all__ = [
     "build_hf_causal_lm",

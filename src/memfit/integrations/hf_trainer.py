@@ -35,7 +35,7 @@ from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import refuse_double_checkpointing
 from memfit.errors import ConfigError
-from memfit.planning.maximize import plan
+from memfit.planning.largest_batch import plan
 from memfit.records import Plan
 from memfit.report.table import mode_counts
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.forward_layers import forward_layers, set_forward_layer
+from memfit.checkpointing.layers import forward_layers, set_forward_layer
 
 __all__ = ["clear_offload", "offload_blocks", "offloaded_blocks"]
 

@@ -15,7 +15,7 @@ state stay fp32), so it runs once and its phase is reused: exact, and half the t
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> x = torch.randint(0, 256, (2, 16))
     >>> est = estimate(lambda: GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16)),
     ...                (x, x), gpt_loss, lambda p: torch.optim.AdamW(p), device_memory="2MiB")

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from memfit.checkpointing import selective_saves
+from memfit.checkpointing.policy import selective_saves
 
 __all__ = ["BlockFlops", "block_flops", "counts", "flop_counter"]
 

@@ -1,7 +1,7 @@
 """What the profile says about in-place writes in checkpointed blocks, and how a plan reads it.
 
 A checkpointed block that writes in place into its input, or into an output selective
-checkpointing keeps, is still recomputed exactly: :mod:`memfit.recompute` copies what is
+checkpointing keeps, is still recomputed exactly: :mod:`memfit.checkpointing.recompute` copies what is
 about to be overwritten. The copy costs memory, which the profile's numbers include; the
 profile also says which blocks make such writes, under which modes, so a plan that uses
 those modes for them can say why they are exact (``Plan.notes``).
@@ -21,7 +21,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 from torch import nn
 
-from memfit.recompute import copies_made
+from memfit.checkpointing.recompute import copies_made
 
 __all__ = ["inplace_notes", "inplace_parts", "watch_copies"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compiled import eager
+from memfit.checkpointing.compile import eager
 from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype

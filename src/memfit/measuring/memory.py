@@ -7,7 +7,7 @@ bytes, so the same step measured twice gives the same number.
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> opt = torch.optim.AdamW(model.parameters())
     >>> x = torch.randint(0, 256, (2, 16))

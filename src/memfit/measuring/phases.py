@@ -14,7 +14,7 @@ with one that visits only the modules running now; the numbers are the same.
 Example:
     >>> import torch
     >>> from memfit.precision import Precision
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
     >>> mem = phased_step(model, (x, x), gpt_loss, None, Precision("fp32"), ["blocks.0", "blocks.1"])
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.compiled import eager
+from memfit.checkpointing.compile import eager
 from memfit.measuring.flops import counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,

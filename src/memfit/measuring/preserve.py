@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from memfit.compiled import eager
+from memfit.checkpointing.compile import eager
 
 __all__ = ["create_optimizer_state", "preserved"]
 
@@ -36,7 +36,7 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
 
     The copies of a GPU's weights, gradients and optimizer state are kept in host memory.
 
-    The body runs a compiled model eagerly (:func:`memfit.compiled.eager`): measurements
+    The body runs a compiled model eagerly (:func:`memfit.checkpointing.compile.eager`): measurements
     are of the eager step, and leave the compiled model free to compile its new plan.
 
     Example:

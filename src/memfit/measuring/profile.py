@@ -21,7 +21,7 @@ of a shared machine differ run to run; counts do not.
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
     >>> prof = profile(model, (x, x), gpt_loss, repeats=1)
@@ -45,6 +45,7 @@ from torch import nn
 
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
+from memfit.checkpointing.segments import chain_probe
 from memfit.devices import Room, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring.assemble import profile_from_memory
@@ -60,7 +61,6 @@ from memfit.measuring.tracker import device_of
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
-from memfit.segments import chain_probe
 from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import fill_times, forward_work, simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES
@@ -515,7 +515,7 @@ def memory_profile(
 
     Example:
         >>> import torch
-        >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+        >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
         >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
         >>> x = torch.randint(0, 256, (2, 16))
         >>> fake = memory_profile(model, (x, x), gpt_loss)

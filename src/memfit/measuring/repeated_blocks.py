@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from memfit.checkpointing import set_block_modes
-from memfit.forward_layers import set_forward_layer
+from memfit.checkpointing.layers import set_forward_layer
 from memfit.measuring.assemble import param_bytes, profile_from_memory
 from memfit.measuring.phases import grad_bytes_of, phased_step
 from memfit.measuring.tracker import PhaseTracker

@@ -32,7 +32,7 @@ from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModState
 from torch.utils._pytree import tree_flatten
 
-from memfit.compiled import eager
+from memfit.checkpointing.compile import eager
 
 __all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of", "device_of"]
 __all__ += ["fsdp_breakdown_of", "is_fsdp"]

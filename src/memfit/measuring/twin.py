@@ -15,7 +15,7 @@ then fails, and the caller measures for real where that fits (the error says why
 Example:
     >>> import torch
     >>> from memfit.precision import Precision
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> from memfit.measuring.phases import phased_step
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))

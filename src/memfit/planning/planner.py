@@ -21,7 +21,7 @@ holds by measurement, not by hope, and the same model gets the same plan.
 
 Example:
     >>> import torch, memfit
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (4, 16))
     >>> p = memfit.plan(model, (x, x), gpt_loss, "90%", precision="fp32")

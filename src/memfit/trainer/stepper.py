@@ -2,7 +2,7 @@
 
 :class:`Stepper` is the part of :class:`memfit.Trainer` that runs a single step: the
 precision and micro-batches (from the plan), the overflow guard, memory tracking, and the
-out-of-memory recovery of :mod:`memfit.train.oom`. The Trainer adds the loop, callbacks,
+out-of-memory recovery of :mod:`memfit.trainer.oom`. The Trainer adds the loop, callbacks,
 evaluation and training state.
 
 Trade-off: on a CPU, tracking a step's memory with MemTracker slows that step down, so
@@ -33,15 +33,15 @@ from torch import nn
 
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
-from memfit.compiled import is_compiled
+from memfit.checkpointing.compile import is_compiled
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan
 from memfit.step import Batch, LossFn, StepResult
-from memfit.train.distributed import DistContext, global_mean, local_batch, unwrap
-from memfit.train.oom import (
+from memfit.trainer.distributed import DistContext, global_mean, local_batch, unwrap
+from memfit.trainer.oom import (
     OomConfig,
     ReplanEvent,
     StepSnapshot,
@@ -49,7 +49,7 @@ from memfit.train.oom import (
     refusal,
     replan,
 )
-from memfit.train.trainer_support import check_plan_applied, model_device, to_device
+from memfit.trainer.trainer_support import check_plan_applied, model_device, to_device
 
 __all__ = ["Stepper"]
 
@@ -117,7 +117,7 @@ class Stepper:
         """Why memory is not tracked, when that is not the caller's choice."""
         if is_compiled(model) and track_memory:
             # NOTE: MemTracker sees no inductor buffers, and tracking runs the model eagerly
-            # (memfit.compiled.eager): a compiled step has only the CUDA allocator's peak.
+            # (memfit.checkpointing.compile.eager): a compiled step has only the CUDA allocator's peak.
             self.track_memory = False
             self.memory_note = (
                 "compiled: each step's peak is the CUDA allocator's (MemTracker does not see "
@@ -199,7 +199,7 @@ class Stepper:
 
     def run_step(self, batch: Batch) -> tuple[StepResult, int | None, bool, float]:
         """Run the step on ``batch`` (on the model's device); after running out of memory,
-        re-plan and run it again (see :mod:`memfit.train.oom`).
+        re-plan and run it again (see :mod:`memfit.trainer.oom`).
 
         Returns:
             The step's result, its peak bytes (if known), whether MemTracker watched it, and
@@ -228,7 +228,7 @@ class Stepper:
             attempt += 1
 
     def _recover_from_oom(self, batch: Batch, snapshot: StepSnapshot, error: str, attempt: int) -> None:
-        """Put the step back and re-plan (see :mod:`memfit.train.oom`), or raise OutOfMemory."""
+        """Put the step back and re-plan (see :mod:`memfit.trainer.oom`), or raise OutOfMemory."""
         where = f"step {self.step_count + 1} ran out of memory ({error})"
         changed = snapshot.untouched(self.optimizer)
         if changed is not None:

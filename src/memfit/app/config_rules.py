@@ -1,10 +1,10 @@
-"""The rules a run configuration must follow, checked when a :class:`memfit.config.Config` is built.
+"""The rules a run configuration must follow, checked when a :class:`memfit.app.config.Config` is built.
 
 Every value that would fail later (in torch, numpy or the data loader) is refused here,
 before any work, with one sentence that names the key and what it accepts.
 
 Example:
-    >>> from memfit.config import load_config
+    >>> from memfit.app.config import load_config
     >>> load_config(None, ["optimizer.lr=nan"])
     Traceback (most recent call last):
     ...
@@ -41,7 +41,7 @@ def _finite(key: str, value: float, low: float, strict: bool = False, high: floa
 def validate_config(cfg: Any) -> None:
     """Refuse values and combinations that cannot run, with one sentence naming the fix.
 
-    ``cfg`` is a :class:`memfit.config.Config` (not imported here: config imports this module).
+    ``cfg`` is a :class:`memfit.app.config.Config` (not imported here: config imports this module).
 
     Raises:
         ConfigError: the first problem found.

@@ -38,7 +38,7 @@ from memfit.budget import format_bytes
 from memfit.errors import ConfigError
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
-from memfit.train.state import capture_rng, restore_rng
+from memfit.trainer.state import capture_rng, restore_rng
 
 __all__ = [
     "OomConfig",

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from memfit.config import Config, config_from_dict
+from memfit.app.config import Config, config_from_dict
+from memfit.app.schedule import lr_schedule
 from memfit.errors import StateError
-from memfit.train.schedule import lr_schedule
-from memfit.train.state import load_state, previous_path
+from memfit.trainer.state import load_state, previous_path
 
 __all__ = ["MUST_MATCH", "Resumed", "flatten", "resolve_resume", "resume_run"]
 

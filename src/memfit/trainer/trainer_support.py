@@ -23,7 +23,7 @@ __all__ = ["TrainerCallback", "check_plan_applied", "model_device", "progress_po
 
 
 class TrainerCallback(Protocol):
-    """The hooks the Trainer calls; :class:`memfit.train.callbacks.Callback` implements them all.
+    """The hooks the Trainer calls; :class:`memfit.trainer.callbacks.Callback` implements them all.
 
     # NOTE: a Protocol, so the Trainer need not import the callbacks module (which refers to
     # the Trainer): the import graph stays a tree.

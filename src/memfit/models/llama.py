@@ -5,8 +5,8 @@ memfit's estimator needs a realistic large model to estimate without downloading
 (6.74 B parameters with the 32000-token vocabulary). Build it under fake tensors
 (:func:`memfit.estimate` does) unless you have the memory; ``preset="tiny"`` runs anywhere.
 
-From the command line the factory is ``import:memfit.train.llama:llama``, e.g.
-``memfit estimate --set model.name=import:memfit.train.llama:llama --set model.kwargs.preset=7b
+From the command line the factory is ``import:memfit.models.llama:llama``, e.g.
+``memfit estimate --set model.name=import:memfit.models.llama:llama --set model.kwargs.preset=7b
 --set train.batch_size=1``.
 
 Example:
@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.app.build import ModelSpec
 from memfit.errors import ConfigError
-from memfit.train.build import ModelSpec
-from memfit.train.gpt import gpt_loss
+from memfit.models.gpt import gpt_loss
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "llama"]
 

@@ -39,11 +39,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from memfit.checkpointing import LAYER_TAG, checkpoint_contexts, refuse_double_checkpointing
+from memfit.checkpointing.hf import without_caches
+from memfit.checkpointing.layers import forward_layers, set_forward_layer
+from memfit.checkpointing.modes import LAYER_TAG, checkpoint_contexts, refuse_double_checkpointing
+from memfit.checkpointing.policy import compiled_contexts
 from memfit.errors import ConfigError
-from memfit.forward_layers import forward_layers, set_forward_layer
-from memfit.hf_probe import without_caches
-from memfit.selective import compiled_contexts
 
 __all__ = ["ChainProbe", "applied_segments", "chain_probe", "set_segments"]
 
@@ -94,7 +94,7 @@ def _head(
         seg.clear()  # nothing to save for a backward: every block runs as it is
         return inner(*args, **kwargs)
     # NOTE: Hugging Face caches off while training, as for a block checkpointed alone
-    # (memfit.hf_probe): the recompute would append to them again. The later blocks are
+    # (memfit.checkpointing.hf): the recompute would append to them again. The later blocks are
     # still matched against the arguments the model passed.
     run_args, run_kwargs, _ = without_caches(args, kwargs)
     compiling = torch.compiler.is_compiling()

@@ -3,17 +3,17 @@
 It composes the pieces and decides nothing: every step is :func:`memfit.step.training_step`
 (autocast, loss scaling, gradient accumulation, clipping after unscaling, zero_grad with
 ``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
-training state goes through :mod:`memfit.train.state`.
+training state goes through :mod:`memfit.trainer.state`.
 
 One step (guard, memory tracking, re-planning after running out of memory) is
-:class:`memfit.train.stepper.Stepper`'s; the Trainer adds the loop, callbacks and its state.
+:class:`memfit.trainer.stepper.Stepper`'s; the Trainer adds the loop, callbacks and its state.
 
 Trade-off: the state dict holds whole tensors (the model's and the optimizer's), so saving
 needs their size in host memory once; in return a saved run resumes bit for bit.
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> torch.manual_seed(0) and None
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> trainer = Trainer(model, torch.optim.AdamW(model.parameters()), gpt_loss, "fp32",
@@ -40,13 +40,13 @@ from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
 from memfit.records import Plan, StepMetrics
 from memfit.step import Batch, LossFn
-from memfit.train.distributed import DistContext, unwrap
-from memfit.train.oom import OomConfig
-from memfit.train.sharded_state import load_sharded, save_sharded, sharded
-from memfit.train.signals import agreed_stop
-from memfit.train.state import capture_rng, load_state, restore_rng, save_state
-from memfit.train.stepper import Stepper
-from memfit.train.trainer_support import TrainerCallback, progress_postfix, to_device
+from memfit.trainer.distributed import DistContext, unwrap
+from memfit.trainer.oom import OomConfig
+from memfit.trainer.sharded_state import load_sharded, save_sharded, sharded
+from memfit.trainer.signals import agreed_stop
+from memfit.trainer.state import capture_rng, load_state, restore_rng, save_state
+from memfit.trainer.stepper import Stepper
+from memfit.trainer.trainer_support import TrainerCallback, progress_postfix, to_device
 
 __all__ = ["Trainer"]
 
@@ -70,7 +70,7 @@ class Trainer(Stepper):
             accumulation (default: the plan's, else 1).
         clip_norm: clip the gradient norm to this (after unscaling); None turns it off.
         scheduler: a learning-rate scheduler stepped after every optimizer step.
-        callbacks: :class:`memfit.train.callbacks.Callback` objects (anything with its hooks),
+        callbacks: :class:`memfit.trainer.callbacks.Callback` objects (anything with its hooks),
             called in order.
         progress: show a progress bar in :meth:`fit`; None: only when stderr is a TTY.
         memory_every: also track memory every this many steps (0: only the first
@@ -78,7 +78,7 @@ class Trainer(Stepper):
         track_memory: False turns MemTracker off entirely (a GPU still reports its
             allocator peak on every step).
         dist: under ``torchrun``, this process's place in the run
-            (:func:`memfit.train.distributed.init_distributed`); ``model`` is then the DDP or
+            (:func:`memfit.trainer.distributed.init_distributed`); ``model`` is then the DDP or
             FSDP2-wrapped model, each step takes this rank's slice of the global batch and
             reports the loss averaged over all ranks.
         guard: the overflow guard's settings (default :class:`memfit.GuardConfig`: on,
@@ -88,7 +88,7 @@ class Trainer(Stepper):
             stops (default: next to a :class:`SaveState` callback's file as
             ``last-good.pt``, else ``memfit-last-good.pt`` in the working directory).
         oom: what to do when a step runs out of memory (default :class:`OomConfig`:
-            re-plan with less memory and run the step again, see :mod:`memfit.train.oom`).
+            re-plan with less memory and run the step again, see :mod:`memfit.trainer.oom`).
         compile: compile the model in place (``model.compile()``) once the plan is applied;
             on CPU memory is then not tracked (``memory_note`` says so).
 
@@ -210,7 +210,7 @@ class Trainer(Stepper):
         """Run up to ``steps`` more steps, taking one batch per step from ``batches``.
 
         Args:
-            batches: an iterable of batches (a :class:`memfit.train.data.BatchSampler`
+            batches: an iterable of batches (a :class:`memfit.app.data.BatchSampler`
                 is one); training stops early if it runs out.
             steps: how many steps to run now.
             eval_fn: ``eval_fn(model) -> float``, called every ``eval_every`` steps

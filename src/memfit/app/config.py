@@ -27,7 +27,7 @@ from typing import Any
 
 import tomllib
 
-from memfit.config_rules import validate_config
+from memfit.app.config_rules import validate_config
 from memfit.errors import ConfigError, shown
 from memfit.reading import read_bounded
 

@@ -11,7 +11,7 @@ profiles are kept, so a step that later runs out of memory is re-planned without
 
 Example:
     >>> import tempfile
-    >>> from memfit.config import load_config
+    >>> from memfit.app.config import load_config
     >>> cfg = load_config(None, ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
     ...     "model.block_size=8", "train.device='cpu'", f"train.out='{tempfile.mkdtemp()}'"])
     >>> check_run(cfg, resume=None, overwrite=False).type
@@ -27,11 +27,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from memfit.app.build import ModelSpec, build_model
+from memfit.app.config import Config
+from memfit.app.data import BatchSampler, ByteCorpus, SyntheticBatches
+from memfit.app.dist_plan import plan_for_ranks
+from memfit.app.schedule import lr_schedule
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
-from memfit.config import Config
 from memfit.devices import resolve_device, room
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
@@ -39,14 +43,10 @@ from memfit.planning.planner import plan, refuse_over_room
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
-from memfit.train.build import ModelSpec, build_model
-from memfit.train.data import BatchSampler, ByteCorpus, SyntheticBatches
-from memfit.train.dist_plan import plan_for_ranks
-from memfit.train.distributed import DistContext, wrap_model
-from memfit.train.oom import OomConfig
-from memfit.train.schedule import lr_schedule
-from memfit.train.state import state_key
-from memfit.train.trainer import Trainer
+from memfit.trainer.distributed import DistContext, wrap_model
+from memfit.trainer.oom import OomConfig
+from memfit.trainer.state import state_key
+from memfit.trainer.trainer import Trainer
 
 __all__ = ["BuiltRun", "build_run", "check_run"]
 

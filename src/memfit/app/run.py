@@ -1,8 +1,8 @@
-"""A whole training run from a :class:`memfit.config.Config`: what ``memfit train`` does.
+"""A whole training run from a :class:`memfit.app.config.Config`: what ``memfit train`` does.
 
-Three steps, each in its own module: check and build the run (:mod:`memfit.train.setup`),
-resume it if asked (:mod:`memfit.train.resume`), train with :class:`memfit.Trainer`, and
-report (:mod:`memfit.train.run_report`). It writes ``metrics.jsonl``, ``state.pt`` (every
+Three steps, each in its own module: check and build the run (:mod:`memfit.app.setup`),
+resume it if asked (:mod:`memfit.app.resume`), train with :class:`memfit.Trainer`, and
+report (:mod:`memfit.app.run_report`). It writes ``metrics.jsonl``, ``state.pt`` (every
 ``train.checkpoint_every`` steps and at the end), ``report.md``, ``loss.png`` and
 ``memory.png`` to ``train.out`` (and ``ranks.json`` under torchrun).
 ``resume`` continues a run from its saved state, bit for bit on a CPU.
@@ -13,7 +13,7 @@ continuing a different run from the old weights.
 
 Example:
     >>> import tempfile
-    >>> from memfit.config import load_config
+    >>> from memfit.app.config import load_config
     >>> out = tempfile.mkdtemp()
     >>> cfg = load_config(None, ["model.n_layer=1", "model.n_embd=16", "model.n_head=2",
     ...     "model.block_size=8", "data.max_bytes=20000", "train.steps=2", f"train.out='{out}'"])
@@ -31,14 +31,10 @@ from pathlib import Path
 
 import torch
 
-from memfit.config import Config
-from memfit.errors import StateError
-from memfit.records import StepMetrics
-from memfit.train.callbacks import MetricsLog, SaveState, read_metrics
-from memfit.train.dist_plan import rank_notes
-from memfit.train.distributed import DistContext, init_distributed, shutdown_distributed
-from memfit.train.resume import Resumed, print_notes, resolve_resume, resume_run
-from memfit.train.run_report import (
+from memfit.app.config import Config
+from memfit.app.dist_plan import rank_notes
+from memfit.app.resume import Resumed, print_notes, resolve_resume, resume_run
+from memfit.app.run_report import (
     BudgetWatch,
     EchoEvaluations,
     done_line,
@@ -47,13 +43,17 @@ from memfit.train.run_report import (
     write_plots,
     write_report,
 )
-from memfit.train.setup import build_run, check_run
-from memfit.train.signals import STOP_REASONS, graceful_stop
-from memfit.train.trainer import Trainer
+from memfit.app.setup import build_run, check_run
+from memfit.errors import StateError
+from memfit.records import StepMetrics
+from memfit.trainer.callbacks import MetricsLog, SaveState, read_metrics
+from memfit.trainer.distributed import DistContext, init_distributed, shutdown_distributed
+from memfit.trainer.signals import STOP_REASONS, graceful_stop
+from memfit.trainer.trainer import Trainer
 
 __all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
 
-#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.train.signals.STOP_REASONS`).
+#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.trainer.signals.STOP_REASONS`).
 INTERRUPTED = STOP_REASONS[signal.SIGINT]
 
 
@@ -89,9 +89,9 @@ def train_from_config(
     ``overwrite`` is set, so an earlier run's metrics and state are never lost by accident;
     ``resume="auto"`` of a run stopped before it saved any state starts it again from step 0.
     Ctrl-C, SIGTERM and SIGHUP stop it after the step in flight, whose state is saved
-    (:mod:`memfit.train.signals`; ``trainer.stop_reason`` says which).
+    (:mod:`memfit.trainer.signals`; ``trainer.stop_reason`` says which).
     When resuming with ``overrides`` (``--set`` options of a command line without a config
-    file), the run goes on with its saved config plus those (see :mod:`memfit.train.resume`).
+    file), the run goes on with its saved config plus those (see :mod:`memfit.app.resume`).
 
     Returns:
         A :class:`TrainRun` with the trainer, every step's metrics and the files written.

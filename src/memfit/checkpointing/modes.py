@@ -6,12 +6,12 @@ in backward, so it saves memory at the cost of (about) one more forward of that 
 recomputes only cheap ones (norms, activations, elementwise), so it saves less and costs
 less.
 
-Blocks are wrapped by an instance-level ``forward`` override (see ``memfit.forward_layers``), so
+Blocks are wrapped by an instance-level ``forward`` override (see ``memfit.checkpointing.layers``), so
 the module tree and the state_dict keys do not change: weights saved from a checkpointed
 model load into a plain one and back.
 
 Example:
-    >>> from memfit.train.gpt import GPT, GPTConfig
+    >>> from memfit.models.gpt import GPT, GPTConfig
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> find_blocks(model)
     ['blocks.0', 'blocks.1']
@@ -34,12 +34,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from memfit.blocks import find_blocks, resolve_blocks
+from memfit.checkpointing.blocks import resolve_blocks
+from memfit.checkpointing.hf import hf_checkpointing_active, without_caches
+from memfit.checkpointing.layers import forward_layers, set_forward_layer
+from memfit.checkpointing.policy import keep_running_stats, selective_policy
+from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
-from memfit.forward_layers import forward_layers, set_forward_layer
-from memfit.hf_probe import hf_checkpointing_active, without_caches
-from memfit.recompute import run_checkpointed
-from memfit.selective import keep_running_stats, selective_policy, selective_saves
 from memfit.vocab import CHECKPOINT_MODES
 
 __all__ = [
@@ -47,15 +47,13 @@ __all__ = [
     "checkpoint",
     "checkpoint_contexts",
     "checkpointed_blocks",
-    "find_blocks",
     "refuse_double_checkpointing",
-    "selective_saves",
     "set_block_modes",
     "uncheckpoint",
 ]
 
 _TAG = "checkpoint"
-#: The forward layer (:mod:`memfit.forward_layers`) that checkpointing, segments included, installs.
+#: The forward layer (:mod:`memfit.checkpointing.layers`) that checkpointing, segments included, installs.
 LAYER_TAG = _TAG
 
 _log = logging.getLogger("memfit")
@@ -85,7 +83,7 @@ def _checkpointed_forward(
 def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
     """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
     (segments): selective's policy for ``selective``, BatchNorm running statistics kept
-    through the recompute. Unlike a block's own checkpoint (:mod:`memfit.recompute`), they
+    through the recompute. Unlike a block's own checkpoint (:mod:`memfit.checkpointing.recompute`), they
     make no copies for in-place writes."""
     if mode == "selective":
         fwd, rec = create_selective_checkpoint_contexts(selective_policy)

@@ -3,7 +3,7 @@
 memfit measures a model eagerly: profiling and planning run each block as written (the
 numbers a plan rests on are the eager step's, which MemTracker sees whole), and then the
 plan is applied and the model compiled. Everything memfit installs for checkpointing
-compiles (:func:`memfit.selective.compiled_contexts`), so the plan holds compiled: the
+compiles (:func:`memfit.checkpointing.policy.compiled_contexts`), so the plan holds compiled: the
 same gradients, BatchNorm statistics updated once, the same ``state_dict`` keys.
 
 :func:`compile_in_place` compiles with ``nn.Module.compile`` (the module itself, not an

@@ -52,8 +52,8 @@ from typing import Any
 
 from torch import nn
 
+from memfit.checkpointing.hf import hf_block_classes
 from memfit.errors import ConfigError
-from memfit.hf_probe import hf_block_classes
 
 __all__ = ["find_blocks", "resolve_blocks"]
 

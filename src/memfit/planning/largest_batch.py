@@ -21,7 +21,7 @@ counts as not fitting).
 
 Example:
     >>> import torch
-    >>> from memfit.train.gpt import GPT, GPTConfig, gpt_loss
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
     >>> p = plan(model, (x, x), gpt_loss, "1MiB", precision="fp32", maximize="batch_size")

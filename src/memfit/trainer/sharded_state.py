@@ -1,6 +1,6 @@
 """FSDP2 training state: each rank's shards via ``torch.distributed.checkpoint`` (DCP).
 
-``state.pt`` (written by rank 0 with :func:`memfit.train.state.save_state`) holds what every
+``state.pt`` (written by rank 0 with :func:`memfit.trainer.state.save_state`) holds what every
 rank shares: step, RNG, scaler, schedule, data position, and the SHA-256 of every shard
 file; ``state.dcp/`` holds the model and optimizer shards, written by all ranks together.
 The pair rotates as one: the directory is written as ``state.dcp.tmp`` and renamed only
@@ -36,7 +36,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from memfit.errors import StateError
-from memfit.train.state import file_digest, previous_path, save_state
+from memfit.trainer.state import file_digest, previous_path, save_state
 
 __all__ = ["load_sharded", "save_sharded", "sharded", "shards_path"]
 

@@ -3,7 +3,7 @@
 ``kill``, ``docker stop``, systemd, Kubernetes and SLURM send SIGTERM; closing a terminal
 sends SIGHUP; Ctrl-C sends SIGINT. Each one asks the Trainer to stop after the step in
 flight; the state of that finished step is then saved atomically (by the
-:class:`memfit.train.callbacks.SaveState` callback) and the command exits with ``128 + the
+:class:`memfit.trainer.callbacks.SaveState` callback) and the command exits with ``128 + the
 signal's number`` (130, 143, 129). A second signal of the same kind ends the process at once.
 Under ``torchrun`` every rank does the same, and the ranks agree on the step to stop after
 (:meth:`memfit.Trainer.fit` takes the largest stop code over all ranks after each step).
@@ -26,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from memfit.train.distributed import DistContext, global_max
+from memfit.trainer.distributed import DistContext, global_max
 
 __all__ = ["STOP_REASONS", "agreed_stop", "exit_code", "graceful_stop", "reason_of", "stop_code"]
 

@@ -46,7 +46,13 @@ from torch.utils import checkpoint as _ckpt
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from memfit.selective import compiled_contexts, keep_running_stats, selective_policy, selective_saves
+from memfit.checkpointing.policy import (
+    compiled_contexts,
+    keep_running_stats,
+    selective_policy,
+    selective_saves,
+)
+from memfit.errors import CheckpointError
 
 __all__ = ["copies_made", "run_checkpointed"]
 
@@ -169,8 +175,8 @@ class _BlockCall:
         """Check no input changed since the forward; give copies of grad-requiring inputs a graph."""
         for i, version in self.versions.items():
             if i not in self.copied and self.leaves[i]._version != version:
-                raise RuntimeError(
-                    f"memfit: an input of the checkpointed block {type(self.module).__name__} was "
+                raise CheckpointError(
+                    f"an input of the checkpointed block {type(self.module).__name__} was "
                     "modified in place after the block's forward returned, so its recompute would "
                     "start from different values; do not checkpoint this block (mode 'none')."
                 )
@@ -187,8 +193,8 @@ class _BlockCall:
             return self.cow.pop(key)
         versions = self.kept_versions.get(key)
         if versions is not None and versions != [x._version for x in _tensors(out)]:
-            raise RuntimeError(
-                f"memfit: an output that selective checkpointing keeps in {type(self.module).__name__} "
+            raise CheckpointError(
+                f"an output that selective checkpointing keeps in {type(self.module).__name__} "
                 "was modified in place after the block's forward returned; use mode 'full' for this block."
             )
         return out

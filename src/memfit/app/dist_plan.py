@@ -16,7 +16,7 @@ Trade-off: rank 0 plans alone while the others wait (a profile is a few steps), 
 plan is a prediction: it cannot be measured before the model is wrapped, so each rank's
 peak is measured during training and reported (``ranks.json``, ``report.md``).
 
-Example (inside ``torchrun``, after :func:`memfit.train.distributed.init_distributed`):
+Example (inside ``torchrun``, after :func:`memfit.trainer.distributed.init_distributed`):
     ``chosen = plan_for_ranks(model, global_batch, loss_fn, "60%", opt, "auto", ctx)``
 """
 
@@ -31,6 +31,7 @@ from torch import nn
 
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks
+from memfit.checkpointing.segments import applied_segments
 from memfit.devices import room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
@@ -38,10 +39,9 @@ from memfit.outputs import marked_json
 from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles, resolve_in_room
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
-from memfit.segments import applied_segments
 from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
-from memfit.train.distributed import DistContext, local_batch, unwrap
+from memfit.trainer.distributed import DistContext, local_batch, unwrap
 
 __all__ = ["gather_ranks", "plan_for_ranks", "rank_notes"]
 

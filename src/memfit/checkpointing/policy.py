@@ -1,6 +1,6 @@
 """What selective checkpointing keeps, and BatchNorm statistics across a recompute.
 
-Shared by a block's own checkpoint (:mod:`memfit.recompute`) and by callers that run
+Shared by a block's own checkpoint (:mod:`memfit.checkpointing.recompute`) and by callers that run
 ``torch.utils.checkpoint`` themselves (:func:`memfit.checkpointing.checkpoint_contexts`).
 
 Example:

@@ -8,7 +8,7 @@ to ``(B, T, V)`` logits (it then trains on the text corpus like the GPT), or a
 :class:`ModelSpec` that brings its own loss function and batches.
 
 Example:
-    >>> from memfit.config import load_config
+    >>> from memfit.app.config import load_config
     >>> spec = build_model(load_config(None, ["model.n_layer=1", "model.n_embd=16",
     ...                                       "model.n_head=2", "model.block_size=8"]).model)
     >>> x, y = spec.random_batch(2, seed=0)
@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.config import ModelConfig
+from memfit.app.config import ModelConfig
 from memfit.errors import ConfigError
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.step import Batch, LossFn
-from memfit.train.gpt import GPT, GPTConfig, gpt_loss
 
 __all__ = ["ModelSpec", "build_model", "load_factory"]
 

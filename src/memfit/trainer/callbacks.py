@@ -6,7 +6,7 @@ finished step on disk, at the cost of one small write per step.
 Example:
     >>> import tempfile, torch
     >>> from pathlib import Path
-    >>> from memfit.train.trainer import Trainer
+    >>> from memfit.trainer.trainer import Trainer
     >>> out = Path(tempfile.mkdtemp())
     >>> model = torch.nn.Linear(4, 1)
     >>> log = MetricsLog(out / "metrics.jsonl")
@@ -34,7 +34,7 @@ from memfit.reading import read_bounded
 from memfit.records import StepMetrics
 
 if TYPE_CHECKING:
-    from memfit.train.trainer import Trainer
+    from memfit.trainer.trainer import Trainer
 
 __all__ = ["Callback", "MetricsLog", "SaveState", "read_metrics"]
 

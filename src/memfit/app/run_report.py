@@ -15,15 +15,15 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from memfit.app.config import Config
 from memfit.budget import format_bytes
-from memfit.config import Config
 from memfit.errors import StateError
 from memfit.outputs import write_text
 from memfit.records import StepMetrics
 from memfit.report.plots import training_plots
 from memfit.report.training import summarize, training_report
-from memfit.train.callbacks import Callback
-from memfit.train.trainer import Trainer
+from memfit.trainer.callbacks import Callback
+from memfit.trainer.trainer import Trainer
 
 __all__ = [
     "BudgetWatch",
