@@ -20,6 +20,7 @@ import resource
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.records import Record
@@ -32,6 +33,7 @@ __all__ = [
     "all_device_facts",
     "default_device",
     "device_facts",
+    "model_device",
     "recommend_precision",
     "recommendation_line",
     "resolve_device",
@@ -166,6 +168,19 @@ def all_device_facts() -> list[DeviceFacts]:
     if torch.cuda.is_available():
         facts += [_cuda_facts(i) for i in range(torch.cuda.device_count())]
     return facts
+
+
+def model_device(module: nn.Module) -> torch.device:
+    """The device of ``module``'s first parameter (or buffer); the CPU for a module with neither.
+
+    Example:
+        >>> model_device(nn.Linear(2, 2))
+        device(type='cpu')
+    """
+    first: torch.Tensor | None = next(iter(module.parameters()), None)
+    if first is None:
+        first = next(iter(module.buffers()), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def default_device() -> torch.device:

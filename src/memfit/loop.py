@@ -41,6 +41,7 @@ from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.compile import compile_in_place
 from memfit.checkpointing.segments import applied_segments
+from memfit.devices import model_device
 from memfit.errors import ConfigError, LeverRefused, NonFiniteLoss
 from memfit.levers.apply import apply_levers, fused_step_of
 from memfit.precision import Precision
@@ -65,10 +66,6 @@ class Prepared:
 # NOTE: keyed by the optimizer (weakly): the scaler's state must live from step to step,
 # and the optimizer is the one object a loop passes to every step that is its own.
 _PREPARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Prepared] = weakref.WeakKeyDictionary()
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _planned_modes(plan: Plan) -> dict[str, str]:
@@ -115,7 +112,7 @@ def prepare(
     if checkpointed_blocks(inner) != _planned_modes(plan) or applied_segments(inner) != segments:
         apply(inner, plan)
     if precision is None:
-        precision = Precision(plan.precision, device=_device(model))
+        precision = Precision(plan.precision, device=model_device(model))
     elif precision.mode != plan.precision:
         raise ConfigError(
             f"precision {precision.mode!r} contradicts the plan's {plan.precision!r}; pass one of them."

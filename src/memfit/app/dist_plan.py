@@ -32,7 +32,7 @@ from torch import nn
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.segments import applied_segments
-from memfit.devices import room
+from memfit.devices import model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
 from memfit.outputs import marked_json
@@ -55,7 +55,7 @@ def _plan_rank(
     precision: str,
     ctx: DistContext,
 ) -> Plan:
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     wanted = candidate_precisions(precision, device)
     needed = [*wanted, *(["fp32"] if budget.is_fraction and "fp32" not in wanted else [])]
     ranked = {

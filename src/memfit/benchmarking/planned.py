@@ -27,6 +27,7 @@ from torch import nn
 
 from memfit.apply import apply
 from memfit.benchmarking.strategies import Strategy
+from memfit.devices import model_device
 from memfit.errors import InfeasibleBudget
 from memfit.measuring.profile import profile
 from memfit.planning.planner import candidate_precisions, plan
@@ -73,7 +74,7 @@ def planner_strategies(
         Strategies in the order of ``budgets``; a budget nothing fits is skipped with a
         warning printed by the caller (the InfeasibleBudget message is in ``.skipped``).
     """
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     profiles: dict[str, Profile] = {
         p: profile(model, batch, loss_fn, optimizer, p, repeats=1)
         for p in candidate_precisions(precision, device)

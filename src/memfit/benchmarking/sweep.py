@@ -47,7 +47,7 @@ from memfit.benchmarking.pareto import mark_front
 from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
 from memfit.budget import format_bytes
 from memfit.checkpointing import uncheckpoint
-from memfit.devices import device_facts, room
+from memfit.devices import device_facts, model_device, room
 from memfit.errors import ConfigError, MemfitError, OutOfMemory
 from memfit.measuring.memory import tracked_step
 from memfit.measuring.phases import optimizer_state_bytes, phased_step
@@ -250,11 +250,7 @@ def bench(
     chosen = resolve_strategies(strategies)
     if baseline not in {s.name for s in chosen}:
         chosen = [*resolve_strategies([baseline]), *chosen]
-    dev = (
-        torch.device(device)
-        if device is not None
-        else next((p.device for p in model.parameters()), torch.device("cpu"))
-    )
+    dev = torch.device(device) if device is not None else model_device(model)
     batch = batch_to(batch, dev)
     tracker = "cuda-allocator" if dev.type == "cuda" else "MemTracker"
     facts = device_facts(dev)

@@ -52,6 +52,7 @@ from memfit.checkpointing.policy import (
     selective_policy,
     selective_saves,
 )
+from memfit.devices import model_device
 from memfit.errors import CheckpointError
 
 __all__ = ["copies_made", "run_checkpointed"]
@@ -261,7 +262,7 @@ def run_checkpointed(
     call = _BlockCall(inner, module, mode, args, kwargs)
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:
-        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        device = model_device(module)
     # NOTE: the inputs reach the recompute through ``call``, not through checkpoint's own
     # arguments (it would refuse inputs the block itself overwrote). An empty tensor on the
     # inputs' device still tells checkpoint which device's RNG and autocast state to replay.

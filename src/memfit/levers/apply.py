@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from memfit.devices import model_device
 from memfit.levers.fused import FusedStep, fused_step_of
 from memfit.levers.offload import clear_offload, offload_blocks
 from memfit.levers.optim import is_lever_optimizer, lever_optimizer
@@ -23,10 +24,6 @@ from memfit.levers.weights import cast_weights
 from memfit.records import Plan
 
 __all__ = ["apply_levers", "fused_step_of", "remove_levers"]
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.Optimizer:
@@ -41,7 +38,7 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
         LeverRefused: a lever cannot run with this device, optimizer or precision.
     """
     levers = list(plan.levers)
-    check_levers(levers, device=_device(model), optimizer=optimizer, precision=plan.precision)
+    check_levers(levers, device=model_device(model), optimizer=optimizer, precision=plan.precision)
     old = fused_step_of(optimizer)
     if old is not None:
         old.remove()

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit.checkpointing import set_block_modes
+from memfit.devices import model_device
 from memfit.records import Profile
 from memfit.stepmodel import forward_work, selective_work
 
@@ -139,7 +140,7 @@ def time_block_modes(
     if not seen.seen:
         raise RuntimeError(seen.error or f"block {name!r} was not called")
     block = model.get_submodule(name)
-    device = next((p.device for p in block.parameters()), torch.device("cpu"))
+    device = model_device(block)
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:

@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map_only
 
 from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
+from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors
@@ -130,7 +131,7 @@ def estimate(
             raise ConfigError(f"model_fn returned {type(model).__name__}; it must return an nn.Module.")
         optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None
     fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     blocks = find_blocks(model)
     if not blocks:
         modes = ["none"]

@@ -29,6 +29,7 @@ from torch import nn
 
 from memfit.checkpointing import set_block_modes
 from memfit.checkpointing.layers import set_forward_layer
+from memfit.devices import model_device
 from memfit.measuring.assemble import param_bytes, profile_from_memory
 from memfit.measuring.phases import grad_bytes_of, phased_step
 from memfit.measuring.tracker import PhaseTracker
@@ -156,7 +157,7 @@ def optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) ->
     for p in model.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)
-    tracker = PhaseTracker(next(p.device for p in model.parameters()), {}, {})
+    tracker = PhaseTracker(model_device(model), {}, {})
     tracker.track_external(model, optimizer)
     with tracker:
         tracker.enter_phase("optimizer")

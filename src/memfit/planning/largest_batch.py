@@ -40,7 +40,7 @@ from torch import nn
 
 from memfit.api_input import check_plan_inputs
 from memfit.budget import Budget, format_bytes
-from memfit.devices import room
+from memfit.devices import model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.measuring.profile import memory_profile
 from memfit.planning import planner
@@ -126,7 +126,7 @@ def largest_batch(
         InfeasibleBudget: not even a batch of one fits.
     """
     spec = Budget.parse(budget)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     wanted = planner.candidate_precisions(precision, device)
     cache: dict[int, dict[str, Profile]] = {}
 
@@ -188,7 +188,7 @@ def _budget_bytes(
     base: Profile | None,
 ) -> int:
     """The budget in bytes, refused where it is more than the device holds (before any probe)."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     r, held = room(device), planner.held_bytes(model, optimizer)
     baseline = 0
     if spec.is_fraction:

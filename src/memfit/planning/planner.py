@@ -42,7 +42,7 @@ from torch import nn
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
-from memfit.devices import Room, room
+from memfit.devices import Room, model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, is_out_of_memory
 from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
@@ -74,10 +74,6 @@ _CHECKS = 3
 _TIMED_STEPS = 1
 #: More whole steps timed where checkpointing is needed (with the heaviest block timed alone).
 _MORE_TIMED_STEPS = 2
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
@@ -154,11 +150,11 @@ class _Planner:
 
     def resolve(self, peak: int) -> int:
         """The budget in bytes (:func:`resolve_in_room`)."""
-        return resolve_in_room(self.budget, peak, self.room, self.held, _device(self.model))
+        return resolve_in_room(self.budget, peak, self.room, self.held, model_device(self.model))
 
     def profiles(self) -> dict[str, Profile]:
         create_optimizer_state(self.model, self.optimizer)
-        device = _device(self.model)
+        device = model_device(self.model)
         if self.budget.bytes is not None:
             refuse_over_room(self.budget.bytes, self.budget, self.room, self.held, device)
             self._refuse_fixed(self.budget.bytes)
@@ -267,7 +263,7 @@ class _Planner:
 
     def _measure(self, result: Plan) -> tuple[int, bool]:
         """One tracked step of the applied plan; with segments, also whether the loss is unchanged."""
-        prec = Precision(result.precision, device=_device(self.model))
+        prec = Precision(result.precision, device=model_device(self.model))
         rng = torch.get_rng_state()
         reference = None
         if result.segments and result.micro_batches == 1:
@@ -347,7 +343,7 @@ def plan(
         LeverRefused: a lever named in ``levers`` cannot run here (the message says why).
     """
     started = time.perf_counter()
-    device = _device(model)
+    device = model_device(model)
     wanted = candidate_precisions(precision, device)
     allowed, refused = resolve_levers(levers, device, optimizer, precision)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from memfit.check.stability import check_stability
+from memfit.devices import model_device
 from memfit.records import Plan
 from memfit.step import Batch, LossFn
 
@@ -55,7 +56,7 @@ def failing_levers(
     ``measured`` receives one line per check run.
     """
     initial = copy.deepcopy(model)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
 
     def check(levers: list[str]) -> tuple[str, list[str]]:
         report = check_stability(

@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from memfit.budget import format_bytes
+from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
@@ -242,7 +243,7 @@ def replan(
         from memfit.measuring.profile import profile
 
         config.profiles[precision] = profile(model, batch, loss_fn, optimizer, precision)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = model_device(model)
     modes = checkpointed_blocks(model)
     peak = failed_peak(device, plan, last_tracked, config.profiles, precision, modes, micro_batches)
     budget = max(1, int(peak * (1 - config.margin)))
