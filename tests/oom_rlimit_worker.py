@@ -20,7 +20,7 @@ from rlimit import address_space, lift_address_space_limit, limit_address_space
 from memfit.apply import apply
 from memfit.measuring.profile import profile
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.trainer.oom import OomConfig
 from memfit.trainer.trainer import Trainer
 

@@ -32,7 +32,6 @@ _PENDING_LONG_FUNCTIONS = {
     "memfit.cli.bench.run",
     "memfit.measuring.estimate.estimate",
     "memfit.measuring.phases.phased_step",
-    "memfit.planning.planner.plan",
     "memfit.report.check_report.check_markdown",
     "memfit.stepmodel.memory.events",
 }

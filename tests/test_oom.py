@@ -26,7 +26,7 @@ from memfit.cli.main import main
 from memfit.errors import OutOfMemory
 from memfit.measuring.profile import profile
 from memfit.models.gpt import gpt_loss
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.records import Plan, Profile, StepMetrics
 from memfit.trainer.callbacks import Callback, read_metrics
 from memfit.trainer.oom import OomConfig

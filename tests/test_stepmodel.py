@@ -19,7 +19,7 @@ from synthetic_profiles import profiles
 
 import memfit
 from memfit.models.gpt import gpt_loss
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.records import BREAKDOWN_KEYS, Profile
 from memfit.stepmodel import all_options, block_options, events, simulate, tiling
 

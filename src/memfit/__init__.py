@@ -26,7 +26,7 @@ from memfit.loop import prepare, train_step
 from memfit.measuring.estimate import estimate
 from memfit.measuring.memory import measure
 from memfit.measuring.profile import profile
-from memfit.planning.largest_batch import plan
+from memfit.planning.planner import plan
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.trainer.trainer import Trainer

@@ -24,7 +24,7 @@ from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.records import Record
-from memfit.vocab import MIXED_PRECISIONS
+from memfit.vocab import MIXED_PRECISIONS, PrecisionName
 
 __all__ = [
     "ROOM_MARGIN",
@@ -230,7 +230,7 @@ def resolve_device(value: str, what: str = "train.device") -> torch.device:
     return dev
 
 
-def recommend_precision(facts: DeviceFacts) -> str:
+def recommend_precision(facts: DeviceFacts) -> PrecisionName:
     """The precision the device runs well: bf16 if native, fp16 on older GPUs, else fp32."""
     if facts.bf16_native:
         return "bf16"

@@ -28,16 +28,24 @@ from memfit.errors import ConfigError
 
 __all__ = [
     "CHECKPOINT_MODES",
+    "DISTRIBUTED_MODES",
+    "GUARD_ACTIONS",
     "LEVERS",
+    "MAXIMIZE",
     "MIXED_PRECISIONS",
     "PRECISIONS",
     "PRECISION_CHOICES",
+    "SCHEDULES",
     "STRATEGY_ORDER",
     "WEIGHTS",
     "CheckpointMode",
+    "DistributedMode",
+    "GuardAction",
     "LeverName",
+    "Maximize",
     "PrecisionChoice",
     "PrecisionName",
+    "Schedule",
     "WeightsName",
     "normalize_mode",
     "normalize_modes",
@@ -62,6 +70,20 @@ CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
 #: without an fp32 master copy, activations offloaded to host memory (CUDA only).
 LeverName = Literal["fused_step", "state_bf16", "state_8bit", "state_4bit", "weights_bf16", "offload"]
 LEVERS: tuple[LeverName, ...] = typing.get_args(LeverName)
+#: How several processes train under torchrun (``train.distributed``).
+DistributedMode = Literal["none", "ddp", "fsdp2"]
+DISTRIBUTED_MODES: tuple[DistributedMode, ...] = typing.get_args(DistributedMode)
+#: What a guard does on a non-finite loss: stop, or fall back to a safer precision.
+GuardAction = Literal["stop", "fallback"]
+GUARD_ACTIONS: tuple[GuardAction, ...] = typing.get_args(GuardAction)
+#: The learning-rate schedule after warm-up.
+Schedule = Literal["constant", "cosine"]
+SCHEDULES: tuple[Schedule, ...] = typing.get_args(Schedule)
+
+#: What ``memfit.plan(..., maximize=)`` can ask for instead of the fastest plan.
+Maximize = Literal["batch_size"]
+MAXIMIZE: tuple[Maximize, ...] = typing.get_args(Maximize)
+
 #: The dtypes floating weights are trained in: fp32 (as built), bf16 (the weights_bf16 lever).
 WeightsName = Literal["fp32", "bf16"]
 WEIGHTS: tuple[WeightsName, ...] = typing.get_args(WeightsName)

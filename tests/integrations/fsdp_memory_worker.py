@@ -15,7 +15,7 @@ from memfit.apply import apply
 from memfit.measuring.profile import profile
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.planning.sharding import shard_profile
 from memfit.precision import Precision
 from memfit.records import Profile

@@ -10,7 +10,7 @@ import memfit
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks
 from memfit.models.gpt import gpt_loss
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.planning.solver import minimum_peak
 from memfit.records import BlockStats, Plan, Profile
 from memfit.stepmodel import simulate

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import memfit
-from memfit.planning.planner import plan_from_profiles
+from memfit.planning.choose import plan_from_profiles
 from memfit.planning.solver import minimum_peak, solve, useful_modes
 from memfit.records import BlockStats, Profile
 from memfit.stepmodel import simulate

@@ -36,7 +36,8 @@ from memfit.devices import model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
 from memfit.outputs import marked_json
-from memfit.planning.planner import candidate_precisions, held_bytes, plan_from_profiles, resolve_in_room
+from memfit.planning.budgets import held_bytes, resolve_in_room
+from memfit.planning.choose import candidate_precisions, plan_from_profiles
 from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
 from memfit.step import Batch, LossFn

@@ -39,7 +39,8 @@ from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.devices import resolve_device, room
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
-from memfit.planning.planner import plan, refuse_over_room
+from memfit.planning.budgets import refuse_over_room
+from memfit.planning.planner import plan
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts

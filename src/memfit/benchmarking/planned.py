@@ -30,7 +30,8 @@ from memfit.benchmarking.strategies import Strategy
 from memfit.devices import model_device
 from memfit.errors import InfeasibleBudget
 from memfit.measuring.profile import profile
-from memfit.planning.planner import candidate_precisions, plan
+from memfit.planning.choose import candidate_precisions
+from memfit.planning.planner import plan
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
 
@@ -74,15 +75,14 @@ def planner_strategies(
         Strategies in the order of ``budgets``; a budget nothing fits is skipped with a
         warning printed by the caller (the InfeasibleBudget message is in ``.skipped``).
     """
-    device = model_device(model)
+    wanted = candidate_precisions(precision, model_device(model))
     profiles: dict[str, Profile] = {
-        p: profile(model, batch, loss_fn, optimizer, p, repeats=1)
-        for p in candidate_precisions(precision, device)
+        p: profile(model, batch, loss_fn, optimizer, p, repeats=1) for p in wanted
     }
     out: list[Strategy] = []
     for budget in budgets:
         try:
-            chosen = plan(model, batch, loss_fn, budget, optimizer, list(profiles), profiles=profiles)
+            chosen = plan(model, batch, loss_fn, budget, optimizer, wanted, profiles=profiles)
         except InfeasibleBudget:
             continue
         out.append(plan_strategy(chosen, f"plan@{budget}"))

@@ -17,10 +17,12 @@ from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device,
 from memfit.errors import ConfigError
 from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_file, marked_json, write_text
-from memfit.planning.largest_batch import MAXIMIZE, plan, resize_batch
+from memfit.planning.choose import candidate_precisions
+from memfit.planning.largest_batch import resize_batch
+from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import text_table
-from memfit.vocab import PRECISION_CHOICES
+from memfit.vocab import MAXIMIZE, PRECISION_CHOICES
 
 HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
 
@@ -101,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     budget = Budget.parse(_budget_text(args, cfg.memory.budget))
     precisions = args.precision or [cfg.memory.precision]
-    choose: str | list[str] = precisions[0] if len(precisions) == 1 else precisions
     device = run_device(cfg)
+    choose = candidate_precisions(precisions[0] if len(precisions) == 1 else precisions, device)
     spec = spec_for(cfg)
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)

@@ -35,9 +35,10 @@ from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import refuse_double_checkpointing
 from memfit.errors import ConfigError
-from memfit.planning.largest_batch import plan
+from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import mode_counts
+from memfit.vocab import normalize_precision
 
 __all__ = ["dict_loss", "one_batch", "plan_for_trainer", "prepare_trainer"]
 
@@ -169,7 +170,7 @@ def plan_for_trainer(
     model.to(args.device)
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
     keys, batch = _as_tuple(one_batch(train_dataset, effective, data_collator), args.device)
-    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else precision
+    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else normalize_precision(precision, allow_auto=True)
     was_training = model.training
     model.train()
     try:

@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -35,7 +36,7 @@ from memfit.planning.solver import Solution, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
 from memfit.records import Plan, Profile
 from memfit.stepmodel import predict_options_seconds, simulate_options, tiling
-from memfit.vocab import PRECISIONS
+from memfit.vocab import PRECISIONS, PrecisionName
 
 __all__ = ["TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_profiles"]
 
@@ -43,7 +44,7 @@ __all__ = ["TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_prof
 TIE = 0.02
 
 
-def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[str]:
+def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[PrecisionName]:
     """The precisions to choose from: "auto" = fp32 and what the device runs natively."""
     if isinstance(precision, str):
         if precision == "auto":
@@ -58,7 +59,7 @@ def candidate_precisions(precision: str | Sequence[str], device: torch.device) -
             f"cannot plan with precision {bad or chosen!r}; give 'auto', one of {', '.join(PRECISIONS)}, "
             "or a list of them."
         )
-    return list(dict.fromkeys(chosen))
+    return [typing.cast(PrecisionName, p) for p in dict.fromkeys(chosen)]
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,14 +1,15 @@
-"""``memfit.plan``: the fastest plan for a batch, or (``maximize="batch_size"``) the largest batch.
+"""The largest batch one plan fits: ``memfit.plan(..., maximize="batch_size")``.
 
-``plan(..., maximize="batch_size")`` searches the batch size at the given sequence length
+The search (:func:`largest_batch`) looks at the batch size at the given sequence length
 (every dimension but the first is kept) for the largest batch that one plan fits into the
 budget computed at once, without splitting it into micro-batches (with gradient
 accumulation any batch "fits", one sample at a time). Each probe profiles the model at that
 batch and asks the exact solver (:mod:`memfit.planning.solver`) whether some per-block
 checkpointing fits at some allowed precision; the first guess comes from two profiles
 extrapolated linearly (activations grow with the batch, parameters and optimizer state do
-not), so a search takes a handful of profiles. The answer is then planned by
-:func:`memfit.planning.planner.plan`, measured, and returned with ``Plan.batch_size``.
+not), so a search takes a handful of profiles. The answer is then planned by the function
+``memfit.plan`` passes in (its own planner for one batch), measured, and returned with
+``Plan.batch_size``.
 
 Each probe measures every mode's memory under fake tensors
 (:func:`memfit.measuring.profile.memory_profile`): nothing is allocated, so probing a batch
@@ -21,10 +22,11 @@ counts as not fitting).
 
 Example:
     >>> import torch
+    >>> import memfit
     >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
-    >>> p = plan(model, (x, x), gpt_loss, "1MiB", precision="fp32", maximize="batch_size")
+    >>> p = memfit.plan(model, (x, x), gpt_loss, "1MiB", precision="fp32", maximize="batch_size")
     >>> p.batch_size > 2 and p.micro_batches == 1 and p.measured_peak_bytes <= p.budget_bytes
     True
 """
@@ -38,20 +40,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.api_input import check_plan_inputs
 from memfit.budget import Budget, format_bytes
 from memfit.devices import model_device, room
-from memfit.errors import ConfigError, InfeasibleBudget
+from memfit.errors import InfeasibleBudget
 from memfit.measuring.profile import memory_profile
-from memfit.planning import planner
+from memfit.planning.budgets import held_bytes, resolve_in_room
 from memfit.planning.solver import minimum_peak, solve
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, batch_size
+from memfit.vocab import PrecisionName
 
-__all__ = ["MAXIMIZE", "largest_batch", "plan", "resize_batch"]
+__all__ = ["PlanAt", "largest_batch", "resize_batch"]
 
-#: What ``maximize=`` can ask for.
-MAXIMIZE = ("batch_size",)
+#: ``memfit.plan``'s planner for one batch: ``plan_at(batch, budget_bytes) -> Plan``, raising
+#: ``InfeasibleBudget`` (or running out of memory) where nothing fits.
+PlanAt = Callable[[Batch, int], Plan]
 #: The largest batch a search considers.
 _LIMIT = 1 << 20
 
@@ -111,14 +114,14 @@ def largest_batch(
     batch: Batch,
     loss_fn: LossFn,
     budget: int | str | Budget,
-    optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Sequence[str] = "auto",
-    *,
-    check: bool = True,
+    optimizer: torch.optim.Optimizer | None,
+    wanted: Sequence[PrecisionName],
+    plan_at: PlanAt,
 ) -> Plan:
     """The plan for the largest batch (at ``batch``'s other dimensions) computed at once within ``budget``.
 
-    A percentage budget is taken of the fp32 no-checkpointing peak at ``batch``'s own size.
+    A percentage budget is taken of the fp32 no-checkpointing peak at ``batch``'s own size;
+    ``wanted`` are the precisions to probe, ``plan_at`` plans the answer for real.
     Returns a :class:`Plan` with ``batch_size`` set and ``micro_batches == 1``; its notes
     say what the next batch size would need.
 
@@ -126,8 +129,6 @@ def largest_batch(
         InfeasibleBudget: not even a batch of one fits.
     """
     spec = Budget.parse(budget)
-    device = model_device(model)
-    wanted = planner.candidate_precisions(precision, device)
     cache: dict[int, dict[str, Profile]] = {}
 
     def profiles_at(n: int) -> dict[str, Profile]:
@@ -162,7 +163,7 @@ def largest_batch(
     while True:
         if lo < 1:
             _refuse(profiles_at(1), budget_bytes, reasons)
-        result = _plan_at(model, batch, loss_fn, budget_bytes, optimizer, wanted, lo, check, reasons)
+        result = _plan_at(plan_at, batch, budget_bytes, lo, reasons)
         if result is not None:
             break
         # NOTE: predicted to fit but measured over (or only with micro-batches): go lower.
@@ -189,12 +190,12 @@ def _budget_bytes(
 ) -> int:
     """The budget in bytes, refused where it is more than the device holds (before any probe)."""
     device = model_device(model)
-    r, held = room(device), planner.held_bytes(model, optimizer)
+    r, held = room(device), held_bytes(model, optimizer)
     baseline = 0
     if spec.is_fraction:
         base = base or memory_profile(model, batch, loss_fn, optimizer, "fp32")
         baseline = base.measured_peak_bytes
-    return planner.resolve_in_room(spec, baseline, r, held, device)
+    return resolve_in_room(spec, baseline, r, held, device)
 
 
 def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) -> tuple[int, int]:
@@ -214,27 +215,14 @@ def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) ->
     return lo, hi
 
 
-def _plan_at(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    budget_bytes: int,
-    optimizer: torch.optim.Optimizer | None,
-    wanted: list[str],
-    n: int,
-    check: bool,
-    why: list[str],
-) -> Plan | None:
+def _plan_at(plan_at: PlanAt, batch: Batch, budget_bytes: int, n: int, why: list[str]) -> Plan | None:
     """The planner's plan at batch ``n``, or None if it needs micro-batches once measured
-    (``why`` then receives the planner's reason, if it refused).
-
-    # NOTE: the probes measure memory only (fake tensors, no times); the answer is profiled
-    # again with the usual timed steps, so that the planner chooses between fitting plans by
-    # their times, and measured for real.
-    """
+    (``why`` then receives the planner's reason, if it refused)."""
+    # The probes measure memory only (fake tensors, no times); the answer is profiled again
+    # with the usual timed steps, so that the planner chooses between fitting plans by their
+    # times, and measured for real.
     try:
-        sized = resize_batch(batch, n)
-        result = planner.plan(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
+        result = plan_at(resize_batch(batch, n), budget_bytes)
     except (InfeasibleBudget, torch.OutOfMemoryError) as exc:
         why[:] = [str(exc).rstrip(".")]
         return None
@@ -256,71 +244,3 @@ def _refuse(profiles: Mapping[str, Profile], budget_bytes: int, why: Sequence[st
         minimum_bytes=least,
         budget_bytes=budget_bytes,
     )
-
-
-def plan(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    budget: int | str | Budget = "device",
-    optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Sequence[str] = "auto",
-    *,
-    check: bool = True,
-    profiles: Mapping[str, Profile] | None = None,
-    maximize: str | None = None,
-    levers: str | Sequence[str] | None = None,
-    verify: bool = False,
-) -> Plan:
-    """The fastest plan whose step peak fits ``budget``; or the largest batch that fits.
-
-    Args:
-        model: the model (its current checkpointing is put back afterwards).
-        batch: a representative batch (its size is the batch a training step uses).
-        loss_fn: ``loss_fn(model, batch) -> scalar loss``.
-        budget: int bytes, ``"6GiB"``, ``"500MB"``, ``"60%"`` of the fp32 no-checkpointing peak, or
-            ``"device"`` (the default): what the device has room for now, less a margin
-            (:class:`memfit.devices.Room`); a budget larger than the room is refused.
-        optimizer: the optimizer training will use (its state and step count).
-        precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
-        check: measure the chosen plan and re-plan under a tighter budget if it is over.
-        profiles: already-measured profiles per precision (skips profiling; not with maximize).
-        maximize: ``"batch_size"``: find the largest batch at ``batch``'s sequence length
-            that one plan fits without micro-batches (:func:`largest_batch`).
-        levers: levers beyond activations the plan may use (:mod:`memfit.levers`): None
-            (default: none, so numerics are unchanged), ``"all"`` or a list of names; the
-            plan uses the least risky set that fits and says what each saves.
-        verify: check the chosen levers against fp32 on this model; refuse those that fail.
-
-    Returns:
-        A :class:`memfit.Plan` (``plan.batch_size``: the batch it was made for);
-        ``memfit.apply(model, plan)`` or ``memfit.prepare`` applies it.
-
-    Raises:
-        InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
-        ConfigError: the budget cannot be read, or ``maximize`` is unknown.
-        LeverRefused: a lever named in ``levers`` cannot run here.
-    """
-    check_plan_inputs(model, batch, optimizer)  # NOTE: issue 26: empty batch, another model's optimizer
-    if maximize is None:
-        result = planner.plan(
-            model,
-            batch,
-            loss_fn,
-            budget,
-            optimizer,
-            precision,
-            check=check,
-            profiles=profiles,
-            levers=levers,
-            verify=verify,
-        )
-        result.batch_size = batch_size(batch)
-        return result
-    if maximize not in MAXIMIZE:
-        raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
-    if profiles is not None:
-        raise ConfigError("maximize='batch_size' profiles each batch size itself; do not pass profiles.")
-    if levers:
-        raise ConfigError("maximize='batch_size' plans without levers; leave levers out or maximize out.")
-    return largest_batch(model, batch, loss_fn, budget, optimizer, precision, check=check)

@@ -1,20 +1,11 @@
-"""``memfit.plan``: choose the cheapest plan that fits a budget (``memfit.apply`` applies it).
+"""``memfit.plan``: the cheapest plan that fits a budget (``memfit.apply`` applies it).
 
-``plan`` measures what it needs, cheapest first, and stops where more cannot change the
-answer:
-
-1. parameters + gradients + optimizer state (the optimizer's state made by one step on
-   zero gradients, no forward): a budget below them is refused at once;
-2. one tracked step without checkpointing per precision (the first, fp32, is the baseline
-   a ``"60%"`` budget is a fraction of) and a few timed steps for the time model; a
-   precision that fits without checkpointing needs nothing more;
-3. one tracked step per checkpointing mode, identical blocks measured once, only for
-   precisions that could still win;
-
-then the exact solver picks per-block modes and segments (:mod:`memfit.planning.choose`),
-and the chosen plan is applied and measured once: if its measured peak is over the budget
-(a model whose blocks are not a simple chain, such as a U-Net with skips), it plans again
-under the budget less the excess, so what it returns has been seen to fit.
+``plan`` measures what the budget needs, cheapest first, and stops where more cannot change
+the answer; the exact solver (:mod:`memfit.planning.choose`) picks per-block modes, segments,
+precision and micro-batches; the chosen plan is applied and measured once, and planned again
+under a tighter budget if it is over, so what ``plan`` returns has been seen to fit. The story
+of what it measures, and when under fake tensors, is docs/planning.md; the largest-batch
+search (``maximize="batch_size"``) is :mod:`memfit.planning.largest_batch`.
 
 Trade-off: planning costs a few steps, paid once before training; in return the budget
 holds by measurement, not by hope, and the same model gets the same plan.
@@ -35,10 +26,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from memfit.api_input import check_plan_inputs
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
@@ -46,27 +39,21 @@ from memfit.devices import Room, model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, is_out_of_memory
 from memfit.measuring.levers import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
-from memfit.measuring.phases import optimizer_state_bytes
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
+from memfit.planning.budgets import fixed_bytes, held_bytes, refuse_over_room, resolve_in_room
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
+from memfit.planning.largest_batch import largest_batch
 from memfit.planning.levers import levers_applied, plan_with_levers, replan_without, resolve_levers
 from memfit.planning.notes import complete_profile, plan_notes
 from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
-from memfit.step import Batch, LossFn, training_step
+from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import simulate
-from memfit.vocab import CHECKPOINT_MODES
+from memfit.vocab import CHECKPOINT_MODES, MAXIMIZE, Maximize, PrecisionChoice, PrecisionName
 
-__all__ = [
-    "candidate_precisions",
-    "held_bytes",
-    "plan",
-    "plan_from_profiles",
-    "refuse_over_room",
-    "resolve_in_room",
-]
+__all__ = ["plan"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
@@ -74,40 +61,6 @@ _CHECKS = 3
 _TIMED_STEPS = 1
 #: More whole steps timed where checkpointing is needed (with the heaviest block timed alone).
 _MORE_TIMED_STEPS = 2
-
-
-def _fixed_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters and buffers + gradients of trainable parameters + optimizer state."""
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return held_bytes(model, optimizer) + grads
-
-
-def refuse_over_room(budget_bytes: int, budget: Budget, r: Room | None, held: int, device: object) -> None:
-    """Refuse, in one sentence naming both, a budget larger than the device can hold: the
-    bytes ``held`` now (weights, buffers, optimizer state) plus the room ``r`` (None: unknown)."""
-    if r is None or budget_bytes <= held + r.free:
-        return
-    of = f" ({budget} of the fp32 peak)" if budget.is_fraction else ""
-    free = f"{format_bytes(r.free)} free by {r.source}"
-    parts = f"{format_bytes(held)} of weights and optimizer state held now and {free}" if held else free
-    raise ConfigError(
-        f"the budget of {format_bytes(budget_bytes)}{of} is more than {device} has room for: "
-        f"{format_bytes(held + r.free)} ({parts}); give at most that, or 'device'."
-    )
-
-
-def resolve_in_room(budget: Budget, peak: int, r: Room | None, held: int, device: object) -> int:
-    """The budget in bytes: a percentage of ``peak``; ``"device"``: ``held`` plus the room less
-    its margin. Refused (:func:`refuse_over_room`) where it is more than the device holds."""
-    budget_bytes = budget.resolve(peak, room=held + r.usable if r is not None else None)
-    refuse_over_room(budget_bytes, budget, r, held, device)
-    return budget_bytes
-
-
-def held_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
-    """Parameters and buffers + optimizer state: what a step starts with."""
-    params = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return params + sum(optimizer_state_bytes(optimizer).values())
 
 
 class _Planner:
@@ -119,7 +72,7 @@ class _Planner:
         batch: Batch,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
-        wanted: list[str],
+        wanted: list[PrecisionName],
         budget: Budget,
     ) -> None:
         self.model, self.batch, self.loss_fn, self.optimizer = model, batch, loss_fn, optimizer
@@ -138,7 +91,7 @@ class _Planner:
         """Bytes of weights, buffers and optimizer state held when the room was read."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
-        fixed = _fixed_bytes(self.model, self.optimizer)
+        fixed = fixed_bytes(self.model, self.optimizer)
         if budget_bytes < fixed and not self.levers:  # NOTE: levers shrink these bytes
             name = type(self.optimizer).__name__ if self.optimizer is not None else "none"
             detail = ""
@@ -184,10 +137,10 @@ class _Planner:
         self.baseline = (peak, done["fp32"].step_seconds if "fp32" in done else 0.0)
         if "fp32" not in profilers:
             self.measured += base.measured
-        # NOTE: a precision's plans are never faster than its step without checkpointing; once
-        # a plan is known that fast, that precision's checkpointing modes cannot matter.
-        best = None
-        for p in sorted(done, key=lambda q: done[q].step_seconds):
+        # A precision's plans are never faster than its step without checkpointing; once a
+        # plan is known that fast, that precision's checkpointing modes cannot matter.
+        best: float | None = None
+        for p in sorted(profilers, key=lambda q: done[q].step_seconds):
             if best is not None and best <= done[p].step_seconds * (1 - TIE):
                 continue
             tight = simulate(done[p], "none").peak_bytes > self.budget_bytes
@@ -297,21 +250,140 @@ def _room_notes(r: Room | None, profiles: Mapping[str, Profile]) -> list[str]:
     return out
 
 
-def plan(
+# Note [room before the snapshot]
+# The device's room is read before measuring's snapshot of the weights (on a CPU the snapshot
+# takes room the training steps will have): what a step may hold is what is held now plus
+# the room.
+
+
+@dataclass
+class _Request:
+    """What a call asks for, checked before anything runs."""
+
+    wanted: list[PrecisionName]
+    levers: list[str]
+    refused: dict[str, str]
+    budget: Budget
+    room: Room | None
+    held: int
+
+
+def _request(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    precision: PrecisionChoice | Sequence[PrecisionName],
+    levers: str | Sequence[str] | None,
+    budget: int | str | Budget,
+) -> _Request:
+    device = model_device(model)
+    wanted = candidate_precisions(precision, device)
+    allowed, refused = resolve_levers(levers, device, optimizer, precision)
+    spec = Budget.parse(budget)  # a bad budget is refused before anything runs
+    # See Note [room before the snapshot]
+    return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer))
+
+
+def _measured_profiles(planner: _Planner, profiles: Mapping[str, Profile] | None) -> dict[str, Profile]:
+    """The profiles to plan from: those given, or those the planner measures (and adds to a
+    ``dict`` the caller passed, for a later re-plan)."""
+    if profiles is not None and all(p in profiles for p in planner.wanted):
+        profs: dict[str, Profile] = {p: profiles[p] for p in planner.wanted}
+        base = profs.get("fp32", next(iter(profs.values())))
+        planner.baseline = (base.measured_peak_bytes, base.step_seconds)
+        create_optimizer_state(planner.model, planner.optimizer)
+        planner.budget_bytes = planner.resolve(base.measured_peak_bytes)
+        planner.measured.append("planned from the profiles given")
+        return profs
+    profs = planner.profiles()
+    if isinstance(profiles, dict):
+        # Only profiles with every mode measured can serve a tighter budget later.
+        profiles.update({p: pr for p, pr in profs.items() if complete_profile(pr)})
+    return profs
+
+
+def _chosen(
+    planner: _Planner, profs: dict[str, Profile], request: _Request, verify: bool
+) -> tuple[Plan, dict[str, Profile]]:
+    """The fastest plan that fits, with the least risky levers it needs (verified if asked)."""
+    allowed = request.levers
+    for prof in profs.values() if allowed else []:
+        attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model))
+    result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+    if verify and result.levers:
+        failed = failing_levers(
+            planner.model, planner.batch, planner.loss_fn, planner.optimizer, result, planner.measured
+        )
+        allowed = [n for n in allowed if n not in failed]
+        request.refused.update(failed)
+        result, used = replan_without(profs, planner.budget_bytes, planner.baseline, allowed, failed)
+    return result, used
+
+
+def _plan_batch(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: int | str | Budget = "device",
-    optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Sequence[str] = "auto",
+    budget: int | str | Budget,
+    optimizer: torch.optim.Optimizer | None,
+    precision: PrecisionChoice | Sequence[PrecisionName],
     *,
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
     levers: str | Sequence[str] | None = None,
     verify: bool = False,
 ) -> Plan:
-    """The fastest plan whose step peak fits ``budget``: per-block checkpointing and segments,
-    precision, micro-batches.
+    """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
+    started = time.perf_counter()
+    request = _request(model, optimizer, precision, levers, budget)
+    before = checkpointed_blocks(model)
+    try:
+        uncheckpoint(model)
+        with preserved(model, optimizer):
+            planner = _Planner(model, batch, loss_fn, optimizer, request.wanted, request.budget)
+            planner.room, planner.held = request.room, request.held
+            planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
+            planner.levers = request.levers
+            profs = _measured_profiles(planner, profiles)
+            result, used = _chosen(planner, profs, request, verify)
+            if check:
+                result = planner.check(used, result)
+        result.budget_bytes = planner.budget_bytes
+        result.notes = (
+            plan_notes(model, result, profs)
+            + _room_notes(planner.room, profs)
+            + [f"lever {n} not used: {w}" for n, w in request.refused.items()]
+        )
+        result.measured = planner.measured
+        result.baseline_from = profs.get("fp32", next(iter(profs.values()))).memory_from
+        result.batch_size = batch_size(batch)
+        result.planning_seconds = time.perf_counter() - started
+        return result
+    finally:
+        uncheckpoint(model)
+        if before:
+            set_block_modes(model, before)
+
+
+def plan(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    budget: int | str | Budget = "device",
+    optimizer: torch.optim.Optimizer | None = None,
+    precision: PrecisionChoice | Sequence[PrecisionName] = "auto",
+    *,
+    check: bool = True,
+    profiles: Mapping[str, Profile] | None = None,
+    maximize: Maximize | None = None,
+    levers: str | Sequence[str] | None = None,
+    verify: bool = False,
+) -> Plan:
+    """The fastest plan whose step peak fits ``budget`` (per-block checkpointing and segments,
+    precision, micro-batches, levers); or, with ``maximize="batch_size"``, the largest batch
+    one plan fits.
+
+    How planning measures, and what it measures only when the budget needs it, is told in
+    docs/planning.md.
 
     Args:
         model: the model (its current checkpointing is put back afterwards).
@@ -321,77 +393,46 @@ def plan(
             ``"device"`` (the default): what the device has room for now, less a margin
             (:class:`memfit.devices.Room`); a budget larger than the room is refused.
         optimizer: the optimizer training will use (its state and step count).
-        precision: ``"auto"`` (fp32 and what the device runs natively), one mode, or a list.
+        precision: ``"auto"`` (fp32 and what the device runs natively), one precision, or a list.
         check: measure the chosen plan and re-plan under a tighter budget if it is over.
-        profiles: already-measured profiles per precision (skips profiling); a ``dict``
-            passed here also receives the profiles this call measures, so that a later
-            re-plan (after a step runs out of memory) need not profile again.
+        profiles: already-measured profiles per precision (skips profiling; not with maximize);
+            a ``dict`` passed here also receives the profiles this call measures, so that a
+            later re-plan (after a step runs out of memory) need not profile again.
+        maximize: ``"batch_size"``: the largest batch at ``batch``'s other dimensions that one
+            plan fits without micro-batches (:mod:`memfit.planning.largest_batch`).
         levers: levers beyond activations the plan may use (:mod:`memfit.levers`): None
-            (default: none, numerics unchanged), ``"all"`` (those this device, optimizer and
-            precision can run) or a list of names (each must be able to run here).
+            (default: none, so numerics are unchanged), ``"all"`` (those this device, optimizer
+            and precision can run) or a list of names (each must be able to run here); the plan
+            uses the least risky set that fits and says what each saves.
         verify: with levers, check the chosen ones on this model (:mod:`memfit.planning.verify`)
             and plan again without any whose check fails.
 
     Returns:
-        A :class:`Plan`; ``memfit.apply(model, plan)`` applies it. ``plan.notes`` says what
+        A :class:`memfit.Plan` (``plan.batch_size``: the batch it was made for);
+        ``memfit.apply(model, plan)`` or ``memfit.prepare`` applies it. ``plan.notes`` says what
         the time model rests on, ``plan.measured`` what planning ran, ``plan.planning_seconds``
         how long it took.
 
     Raises:
         InfeasibleBudget: nothing fits; ``.minimum_bytes`` is the smallest possible peak.
-        ConfigError: the budget cannot be read or is not positive.
+        ConfigError: the budget cannot be read, or ``maximize`` is unknown.
         LeverRefused: a lever named in ``levers`` cannot run here (the message says why).
     """
-    started = time.perf_counter()
-    device = model_device(model)
-    wanted = candidate_precisions(precision, device)
-    allowed, refused = resolve_levers(levers, device, optimizer, precision)
-    spec = Budget.parse(budget)  # a bad budget is refused before anything runs
-    before = checkpointed_blocks(model)
-    # NOTE: read before measuring's snapshot of the weights (on a CPU it takes room the
-    # training steps will have): what a step may hold is what is held now plus the room
-    capacity = room(device), held_bytes(model, optimizer)
-    try:
-        uncheckpoint(model)
-        with preserved(model, optimizer):
-            planner = _Planner(model, batch, loss_fn, optimizer, wanted, spec)
-            planner.room, planner.held = capacity
-            planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
-            planner.levers = allowed
-            if profiles is not None and all(p in profiles for p in wanted):
-                profs = {p: profiles[p] for p in wanted}
-                base = profs.get("fp32", next(iter(profs.values())))
-                planner.baseline = (base.measured_peak_bytes, base.step_seconds)
-                create_optimizer_state(model, optimizer)
-                planner.budget_bytes = planner.resolve(base.measured_peak_bytes)
-                planner.measured.append("planned from the profiles given")
-            else:
-                profs = planner.profiles()
-                if isinstance(profiles, dict):
-                    # NOTE: the caller's cache (a re-plan after running out of memory reuses it);
-                    # only profiles with every mode measured can serve a tighter budget later.
-                    profiles.update({p: pr for p, pr in profs.items() if complete_profile(pr)})
-            for prof in profs.values() if allowed else []:
-                attach_lever_facts(prof, model, optimizer, find_blocks(model))
-            result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
-            if verify and result.levers:
-                failed = failing_levers(model, batch, loss_fn, optimizer, result, planner.measured)
-                allowed = [n for n in allowed if n not in failed]
-                refused.update(failed)
-                result, used = replan_without(profs, planner.budget_bytes, planner.baseline, allowed, failed)
-            if check:
-                result = planner.check(used, result)
-        result.budget_bytes = planner.budget_bytes
-        result.notes = (
-            plan_notes(model, result, profs)
-            + _room_notes(planner.room, profs)
-            + [f"lever {n} not used: {w}" for n, w in refused.items()]
-        )
-        result.measured = planner.measured
-        result.baseline_from = profs.get("fp32", next(iter(profs.values()))).memory_from
-        result.planning_seconds = time.perf_counter() - started
-        return result
-    finally:
-        uncheckpoint(model)
-        if before:
-            set_block_modes(model, before)
+    check_plan_inputs(model, batch, optimizer)
+    if maximize is None:
+        return _plan_batch(
+            model, batch, loss_fn, budget, optimizer, precision,
+            check=check, profiles=profiles, levers=levers, verify=verify,
+        )  # fmt: skip
+    if maximize not in MAXIMIZE:
+        raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
+    if profiles is not None:
+        raise ConfigError("maximize='batch_size' profiles each batch size itself; do not pass profiles.")
+    if levers:
+        raise ConfigError("maximize='batch_size' plans without levers; leave levers out or maximize out.")
+    wanted = candidate_precisions(precision, model_device(model))
+
+    def plan_at(sized: Batch, budget_bytes: int) -> Plan:
+        return _plan_batch(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
+
+    return largest_batch(model, batch, loss_fn, budget, optimizer, wanted, plan_at)

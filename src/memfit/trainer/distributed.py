@@ -32,9 +32,9 @@ from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.step import Batch
+from memfit.vocab import DISTRIBUTED_MODES
 
 __all__ = [
-    "DISTRIBUTED_MODES",
     "DistContext",
     "end_worker_process",
     "global_max",
@@ -45,8 +45,6 @@ __all__ = [
     "unwrap",
     "wrap_model",
 ]
-
-DISTRIBUTED_MODES = ("none", "ddp", "fsdp2")
 
 
 @dataclass

@@ -237,7 +237,7 @@ def replan(
     # again under its own peak.
     """
     from memfit.checkpointing import checkpointed_blocks
-    from memfit.planning.planner import plan_from_profiles
+    from memfit.planning.choose import plan_from_profiles
 
     if precision not in config.profiles:
         from memfit.measuring.profile import profile
