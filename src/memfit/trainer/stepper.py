@@ -15,9 +15,9 @@ Example:
     >>> model = torch.nn.Linear(4, 1)
     >>> stepper = Stepper(model, torch.optim.SGD(model.parameters(), lr=0.1),
     ...                   lambda m, b: m(b).pow(2).mean(), "fp32")
-    >>> result, peak, tracked, seconds = stepper.run_step(torch.ones(2, 4))
-    >>> result.samples, stepper.step_count
-    (2, 0)
+    >>> outcome = stepper.run_step(torch.ones(2, 4))
+    >>> outcome.result.samples, outcome.tracked, stepper.step_count
+    (2, False, 0)
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.checkpointing.compile import is_compiled
+from memfit.devices import model_device
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
@@ -49,9 +51,48 @@ from memfit.trainer.oom import (
     refusal,
     replan,
 )
-from memfit.trainer.trainer_support import check_plan_applied, model_device, to_device
 
-__all__ = ["Stepper"]
+__all__ = ["StepOutcome", "Stepper", "check_plan_applied", "to_device"]
+
+
+@dataclass
+class StepOutcome:
+    """What one step did: its result, its peak bytes (None: not known), whether MemTracker
+    watched it, and the seconds of the attempt that succeeded."""
+
+    result: StepResult
+    peak_bytes: int | None
+    tracked: bool
+    seconds: float
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch (a tensor, or a tuple or list of them) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(t, device) for t in batch)
+    return batch
+
+
+def check_plan_applied(
+    model: nn.Module, plan: Plan, precision: str | Precision | None, micro_batches: int | None
+) -> None:
+    """Refuse arguments that contradict ``plan`` (the Trainer applies the plan itself, with
+    :func:`memfit.prepare`).
+
+    Raises:
+        ConfigError: naming the contradiction and the fix.
+    """
+    asked = precision.mode if isinstance(precision, Precision) else precision
+    if asked is not None and asked != plan.precision:
+        raise ConfigError(
+            f"precision {asked!r} contradicts the plan's {plan.precision!r}; pass one of them, not both."
+        )
+    if micro_batches is not None and micro_batches != plan.micro_batches:
+        raise ConfigError(
+            f"micro_batches={micro_batches} contradicts the plan's {plan.micro_batches}; pass one of them."
+        )
 
 
 class Stepper:
@@ -197,13 +238,9 @@ class Stepper:
             result.tokens *= self.dist.world_size
         return result, peak, tracked
 
-    def run_step(self, batch: Batch) -> tuple[StepResult, int | None, bool, float]:
+    def run_step(self, batch: Batch) -> StepOutcome:
         """Run the step on ``batch`` (on the model's device); after running out of memory,
-        re-plan and run it again (see :mod:`memfit.trainer.oom`).
-
-        Returns:
-            The step's result, its peak bytes (if known), whether MemTracker watched it, and
-            the seconds of the attempt that succeeded. ``step_count`` is not advanced.
+        re-plan and run it again (see :mod:`memfit.trainer.oom`). ``step_count`` is not advanced.
         """
         snapshot = StepSnapshot.take(unwrap(self.model), self.optimizer)
         attempt = 0
@@ -223,7 +260,7 @@ class Stepper:
             if error is None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
-                return result, peak, tracked, time.perf_counter() - start
+                return StepOutcome(result, peak, tracked, time.perf_counter() - start)
             self._recover_from_oom(batch, snapshot, error, attempt)
             attempt += 1
 
@@ -280,7 +317,8 @@ class Stepper:
         _, self.optimizer = prepare(self.model, self.optimizer, plan, precision=self.precision)
         self.plan, self._running, self.micro_batches, self.memory = plan, plan, plan.micro_batches, None
 
-    def _evaluate_with(self, eval_fn: Callable[[nn.Module], float]) -> float:
+    def evaluate_with(self, eval_fn: Callable[[nn.Module], float]) -> float:
+        """``eval_fn(model)`` in eval mode, without gradients, under autocast."""
         was_training = self.model.training
         self.model.eval()
         try:
@@ -298,4 +336,4 @@ class Stepper:
                 raise ConfigError("evaluate() got no batches; give at least one validation batch.")
             return sum(losses) / len(losses)
 
-        return self._evaluate_with(_mean_loss)
+        return self.evaluate_with(_mean_loss)

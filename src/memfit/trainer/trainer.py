@@ -5,8 +5,10 @@ It composes the pieces and decides nothing: every step is :func:`memfit.step.tra
 ``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
 training state goes through :mod:`memfit.trainer.state`.
 
-One step (guard, memory tracking, re-planning after running out of memory) is
-:class:`memfit.trainer.stepper.Stepper`'s; the Trainer adds the loop, callbacks and its state.
+One step (guard, memory tracking, re-planning after running out of memory) is the
+:class:`memfit.trainer.stepper.Stepper`'s that the Trainer owns (``trainer.stepper``); the
+Trainer adds the loop, callbacks and its state, and reads the step's facts (model, optimizer,
+precision, plan, memory) from its stepper.
 
 Trade-off: the state dict holds whole tensors (the model's and the optimizer's), so saving
 needs their size in host memory once; in return a saved run resumes bit for bit.
@@ -30,31 +32,59 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from memfit.check.guards import GuardConfig
+from memfit.check.guards import Guard, GuardConfig
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
-from memfit.records import Plan, StepMetrics
+from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn
 from memfit.trainer.distributed import DistContext, unwrap
-from memfit.trainer.oom import OomConfig
+from memfit.trainer.oom import OomConfig, ReplanEvent
 from memfit.trainer.sharded_state import load_sharded, save_sharded, sharded
 from memfit.trainer.signals import agreed_stop
 from memfit.trainer.state import capture_rng, load_state, restore_rng, save_state
-from memfit.trainer.stepper import Stepper
-from memfit.trainer.trainer_support import TrainerCallback, progress_postfix, to_device
+from memfit.trainer.stepper import StepOutcome, Stepper, to_device
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "TrainerCallback"]
 
 #: The ``"format"`` entry of a Trainer's state dict.
 STATE_FORMAT = "memfit-training-state"
 
 
-class Trainer(Stepper):
+# Note [callbacks as a protocol]
+# The Trainer calls its callbacks through a Protocol, so that it need not import
+# memfit.trainer.callbacks (whose callbacks refer to the Trainer): the import graph stays a tree.
+
+
+class TrainerCallback(Protocol):
+    """The hooks the Trainer calls; :class:`memfit.trainer.callbacks.Callback` implements them all."""
+
+    def on_fit_start(self, trainer: Any) -> None:
+        """When :meth:`Trainer.fit` starts."""
+
+    def on_step_end(self, trainer: Any, metrics: StepMetrics) -> None:
+        """After every step."""
+
+    def on_fit_end(self, trainer: Any) -> None:
+        """When :meth:`Trainer.fit` ends."""
+
+    def save_last_good(self, trainer: Any) -> Path | None:
+        """Write the state before a step that cannot go on; return where, or None."""
+
+
+def progress_postfix(m: StepMetrics, scaled: bool) -> str:
+    """The progress bar's text after a step: loss, speed, and the fp16 loss scale."""
+    text = f"loss {m.loss:.4f}  {m.tokens_per_s:,.0f} tok/s"
+    if scaled:
+        text += f"  scale {m.scale:g}" + ("  skipped" if m.skipped else "")
+    return text
+
+
+class Trainer:
     """Train a model step by step in the chosen precision, reporting what each step cost.
 
     Args:
@@ -117,14 +147,15 @@ class Trainer(Stepper):
         oom: OomConfig | None = None,
         compile: bool = False,
     ) -> None:
-        super().__init__(
+        self.stepper = Stepper(
             model, optimizer, loss_fn, precision, plan,
             micro_batches=micro_batches, clip_norm=clip_norm, memory_every=memory_every,
             track_memory=track_memory, dist=dist, guard=guard, oom=oom, save_last_good=self._save_last_good,
             compile=compile,
         )  # fmt: skip
+        """The one-step runner: guard, memory tracking, re-plan after running out of memory."""
         if scheduler is not None and getattr(scheduler, "optimizer", None) is optimizer:
-            scheduler.optimizer = self.optimizer  # NOTE: a plan's levers may train a new optimizer
+            scheduler.optimizer = self.optimizer  # a plan's levers may train a new optimizer
         self.scheduler = scheduler
         self.callbacks: list[TrainerCallback] = list(callbacks)
         self.progress = progress
@@ -134,6 +165,89 @@ class Trainer(Stepper):
         """False while the last :meth:`fit` is ended by an exception (e.g. Ctrl-C)."""
         self.last_good_path = Path(last_good_path) if last_good_path is not None else None
         self._data: Any | None = None
+
+    # -- the step's facts, owned by the stepper ----------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        """The model being trained (DDP or FSDP2-wrapped under torchrun)."""
+        return self.stepper.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer in use (a plan's levers may have replaced the one given)."""
+        return self.stepper.optimizer
+
+    @property
+    def loss_fn(self) -> LossFn:
+        """``loss_fn(model, batch) -> scalar loss``."""
+        return self.stepper.loss_fn
+
+    @loss_fn.setter
+    def loss_fn(self, value: LossFn) -> None:
+        self.stepper.loss_fn = value
+
+    @property
+    def precision(self) -> Precision:
+        """The precision steps run in (the guard may fall back to a safer one)."""
+        return self.stepper.precision
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being trained with (a re-plan after running out of memory replaces it)."""
+        return self.stepper.plan
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per step (gradient accumulation)."""
+        return self.stepper.micro_batches
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device."""
+        return self.stepper.device
+
+    @property
+    def dist(self) -> DistContext:
+        """This process's place in a torchrun run (one process: ``DistContext()``)."""
+        return self.stepper.dist
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (a resumed run counts from the saved step)."""
+        return self.stepper.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.stepper.step_count = value
+
+    @property
+    def memory(self) -> MemoryReport | None:
+        """The breakdown of the last tracked steady-state step."""
+        return self.stepper.memory
+
+    @property
+    def memory_note(self) -> str | None:
+        """Why memory is not tracked, when that is not the caller's choice."""
+        return self.stepper.memory_note
+
+    @property
+    def guard(self) -> Guard:
+        """The overflow guard; ``.guard.events`` lists what it saw and did."""
+        return self.stepper.guard
+
+    @property
+    def replans(self) -> list[ReplanEvent]:
+        """The re-plans after out-of-memory steps, in order."""
+        return self.stepper.replans
+
+    def use_plan(self, plan: Plan) -> None:
+        """Switch to ``plan`` between steps (:meth:`memfit.trainer.stepper.Stepper.use_plan`)."""
+        self.stepper.use_plan(plan)
+
+    def evaluate(self, batches: Iterable[Batch]) -> float:
+        """Mean loss over ``batches`` in eval mode, without gradients, under autocast."""
+        return self.stepper.evaluate(batches)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -156,29 +270,15 @@ class Trainer(Stepper):
                 mode, without gradients, under autocast); its value is ``val_loss``.
         """
         self.model.train()
-        batch = to_device(batch, self.device)  # NOTE: the global batch; _run_global slices it
+        batch = to_device(batch, self.device)  # the global batch; the stepper slices it per rank
         lr = float(self.optimizer.param_groups[0].get("lr", 0.0))
-        result, peak, tracked, seconds = self.run_step(batch)
+        outcome = self.stepper.run_step(batch)
         if self.scheduler is not None:
             self.scheduler.step()
         self.step_count += 1
-        metrics = StepMetrics(
-            step=self.step_count,
-            loss=result.loss,
-            lr=lr,
-            grad_norm=result.grad_norm,
-            scale=result.scale,
-            skipped=result.skipped,
-            samples=result.samples,
-            tokens=result.tokens,
-            seconds=seconds,
-            samples_per_s=result.samples / seconds if seconds > 0 else 0.0,
-            tokens_per_s=result.tokens / seconds if seconds > 0 else 0.0,
-            peak_bytes=peak,
-            tracked=tracked,
-        )
+        metrics = _metrics(self.step_count, lr, outcome)
         if eval_fn is not None:
-            metrics.val_loss = self._evaluate_with(eval_fn)
+            metrics.val_loss = self.stepper.evaluate_with(eval_fn)
         self.history.append(metrics)
         self._after_step(metrics)
         return metrics
@@ -220,7 +320,7 @@ class Trainer(Stepper):
         Returns:
             The metrics of the steps run now.
         """
-        from tqdm import tqdm  # NOTE: imported here so importing memfit stays light
+        from tqdm import tqdm  # imported here so that importing memfit stays light
 
         if steps < 0:
             raise ConfigError(f"steps must be 0 or more, got {steps}.")
@@ -303,7 +403,7 @@ class Trainer(Stepper):
         """
         if state.get("format") != STATE_FORMAT:
             raise StateError("this file is not a memfit Trainer state; write one with Trainer.save().")
-        # NOTE: an FSDP2 state holds no "model" and "optimizer": their shards were loaded with DCP.
+        # An FSDP2 state holds no "model" and "optimizer": their shards were loaded with DCP.
         try:
             if "model" in state:
                 unwrap(self.model).load_state_dict(state["model"])
@@ -345,3 +445,23 @@ class Trainer(Stepper):
         if state.get("sharded"):
             load_sharded(self.model, self.optimizer, path, state.get("shards"))
         return self.load_state_dict(state, data)
+
+
+def _metrics(step: int, lr: float, outcome: StepOutcome) -> StepMetrics:
+    """A step's metrics from what its attempt that succeeded did."""
+    result, seconds = outcome.result, outcome.seconds
+    return StepMetrics(
+        step=step,
+        loss=result.loss,
+        lr=lr,
+        grad_norm=result.grad_norm,
+        scale=result.scale,
+        skipped=result.skipped,
+        samples=result.samples,
+        tokens=result.tokens,
+        seconds=seconds,
+        samples_per_s=result.samples / seconds if seconds > 0 else 0.0,
+        tokens_per_s=result.tokens / seconds if seconds > 0 else 0.0,
+        peak_bytes=outcome.peak_bytes,
+        tracked=outcome.tracked,
+    )
