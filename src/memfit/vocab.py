@@ -112,7 +112,7 @@ def normalize_mode(mode: object, what: str = "checkpointing mode") -> Checkpoint
     raise ConfigError(f"unknown {what} {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}.")
 
 
-def normalize_modes(modes: Mapping[str, object]) -> dict[str, str]:
+def normalize_modes(modes: Mapping[str, object]) -> dict[str, CheckpointMode]:
     """Check every value of ``{block: mode}``; the error names all unknown ones at once.
 
     Raises:

@@ -3,12 +3,19 @@ is predicted clearly faster, and the same peak as the strategy they name."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 from conftest import tiny_gpt, token_batch
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
 
 import memfit
 from memfit.benchmarking.sequential import install_sequential, uninstall_sequential
+from memfit.checkpointing.layers import set_forward_layer
 from memfit.models.gpt import gpt_loss
 from memfit.planning.choose import TIE, plan_from_profiles
 from memfit.planning.notes import standard_note
@@ -133,9 +140,36 @@ def test_the_sequential_plan_peaks_where_checkpoint_sequential_does() -> None:
     memfit.apply(model, plan)
     ours = memfit.measure(model, batch, gpt_loss, opt, "fp32", steps=1).peak_bytes
     memfit.uncheckpoint(model)
-    install_sequential(model, gpt_loss, batch)
-    try:
+    with _through_checkpoint_sequential(model, names, sqrt_segments(len(names))):
         theirs = memfit.measure(model, batch, gpt_loss, opt, "fp32", steps=1).peak_bytes
+    assert ours == theirs
+    install_sequential(model, gpt_loss, batch)  # memfit bench's "sequential": the same segments
+    try:
+        assert memfit.measure(model, batch, gpt_loss, opt, "fp32", steps=1).peak_bytes == theirs
     finally:
         uninstall_sequential(model)
-    assert ours == theirs
+
+
+def _chain(inner: Any, state: tuple[list[Any], int], x: torch.Tensor) -> torch.Tensor:
+    functions, segments = state
+    return checkpoint_sequential(functions, segments, x, use_reentrant=False)
+
+
+def _pass_through(inner: Any, x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+@contextlib.contextmanager
+def _through_checkpoint_sequential(model: nn.Module, names: list[str], segments: int) -> Iterator[None]:
+    """The model's blocks run by PyTorch's own checkpoint_sequential: the first block runs the
+    chain over every block's own forward, the others pass their input through."""
+    blocks = [model.get_submodule(n) for n in names]
+    functions = [b.forward for b in blocks]
+    set_forward_layer(blocks[0], "reference", _chain, (functions, segments))
+    for b in blocks[1:]:
+        set_forward_layer(b, "reference", _pass_through)
+    try:
+        yield
+    finally:
+        for b in blocks:
+            set_forward_layer(b, "reference", None)

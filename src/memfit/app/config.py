@@ -22,11 +22,13 @@ import math
 import re
 import types
 import typing
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomllib
+import torch
 
 from memfit.budget import Budget
 from memfit.errors import ConfigError, shown
@@ -118,6 +120,19 @@ class OptimizerConfig:
     """Learning-rate schedule after warm-up: ``"constant"`` or ``"cosine"`` (to 10% of lr)."""
     warmup_steps: int = 0
     """Steps of linear learning-rate warm-up from 0."""
+
+    def make(self, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """AdamW over ``params`` with these settings: the one optimizer built from a config.
+
+        Example:
+            >>> opt = OptimizerConfig(lr=0.01).make(torch.nn.Linear(2, 2).parameters())
+            >>> type(opt).__name__, opt.defaults["lr"], opt.defaults["betas"]
+            ('AdamW', 0.01, (0.9, 0.95))
+        """
+        betas = (float(self.betas[0]), float(self.betas[1]))
+        return torch.optim.AdamW(
+            params, lr=self.lr, betas=betas, eps=self.eps, weight_decay=self.weight_decay
+        )
 
 
 @dataclass(kw_only=True)

@@ -114,16 +114,6 @@ def _data(cfg: Config, spec: ModelSpec) -> tuple[Any, list[Any], str]:
     return sampler, val_batches, f"{corpus.source} ({format_bytes(size)}, byte-level)"
 
 
-def _optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(
-        model.parameters(),
-        lr=cfg.optimizer.lr,
-        betas=(cfg.optimizer.betas[0], cfg.optimizer.betas[1]),
-        eps=cfg.optimizer.eps,
-        weight_decay=cfg.optimizer.weight_decay,
-    )
-
-
 def _describe_plan(chosen: Plan) -> str:
     counts = mode_counts(chosen.blocks.values())
     modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
@@ -160,7 +150,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     spec = build_model(cfg.model)
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
-    opt = _optimizer(model, cfg)
+    opt = cfg.optimizer.make(model.parameters())
     chosen: Plan | None = None
     profiles: dict[str, Profile] = {}
     if cfg.memory.checkpointing == "auto" and dist_ctx.active:
@@ -191,7 +181,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
         # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
         # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
         model = wrap_model(model, dist_ctx, find_blocks(model))
-        opt = _optimizer(model, cfg)
+        opt = cfg.optimizer.make(model.parameters())
     trainer = Trainer(
         model,
         opt,

@@ -13,8 +13,6 @@ model load into a plain one and back.
 Example:
     >>> from memfit.models.gpt import GPT, GPTConfig
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
-    >>> find_blocks(model)
-    ['blocks.0', 'blocks.1']
     >>> _ = checkpoint(model, mode="full")
     >>> checkpointed_blocks(model)
     {'blocks.0': 'full', 'blocks.1': 'full'}
@@ -28,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,10 +39,11 @@ from memfit.checkpointing.layers import forward_layers, set_forward_layer
 from memfit.checkpointing.policy import keep_running_stats, selective_policy
 from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
-from memfit.vocab import CHECKPOINT_MODES
+from memfit.vocab import CheckpointMode, normalize_mode, normalize_modes
 
 __all__ = [
     "LAYER_TAG",
+    "BlockLayer",
     "checkpoint",
     "checkpoint_contexts",
     "checkpointed_blocks",
@@ -60,9 +60,16 @@ _log = logging.getLogger("memfit")
 _TOLD: set[type] = set()
 
 
-def _checkpointed_forward(
-    inner: Callable[..., Any], module: nn.Module, mode: str, *args: Any, **kwargs: Any
-) -> Any:
+@dataclass(frozen=True)
+class BlockLayer:
+    """What a checkpointed block's forward layer holds: the block and its mode."""
+
+    module: nn.Module
+    mode: CheckpointMode
+
+
+def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: Any, **kwargs: Any) -> Any:
+    module = layer.module
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # inference (generation): the block runs as written
     args, kwargs, changed = without_caches(args, kwargs)
@@ -77,7 +84,7 @@ def _checkpointed_forward(
     # NOTE: non-reentrant checkpointing replays the RNG state (dropout masks match) and
     # records the autocast state, so the recompute runs at the forward's precision;
     # run_checkpointed makes the recompute start from what the forward started from.
-    return run_checkpointed(inner, module, mode, args, kwargs)
+    return run_checkpointed(inner, module, layer.mode, args, kwargs)
 
 
 def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
@@ -118,10 +125,8 @@ def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:
 
     ``modes`` maps a qualified module name, or a class name (all its outermost modules), to a mode.
     """
-    bad = {n: m for n, m in modes.items() if m not in CHECKPOINT_MODES}
-    if bad:
-        raise ConfigError(f"unknown checkpointing mode(s) {bad}; use one of {', '.join(CHECKPOINT_MODES)}.")
-    resolved = {n: mode for key, mode in modes.items() for n in resolve_blocks(model, [key])}
+    checked = normalize_modes(modes)
+    resolved = {n: mode for key, mode in checked.items() for n in resolve_blocks(model, [key])}
     if any(m != "none" for m in resolved.values()):
         refuse_double_checkpointing(model)
     for name, mode in resolved.items():
@@ -129,7 +134,7 @@ def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:
         if mode == "none":
             set_forward_layer(module, _TAG, None)
         else:
-            set_forward_layer(module, _TAG, _checkpointed_forward, module, mode)
+            set_forward_layer(module, _TAG, _checkpointed_forward, BlockLayer(module, mode))
     return model
 
 
@@ -160,8 +165,7 @@ def checkpoint(
         >>> checkpointed_blocks(model)
         {'0': 'full', '2': 'full'}
     """
-    if mode not in CHECKPOINT_MODES:
-        raise ConfigError(f"unknown checkpointing mode {mode!r}; use one of {', '.join(CHECKPOINT_MODES)}.")
+    mode = normalize_mode(mode)
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
         raise ConfigError(f"every must be a positive integer, got {every!r}.")
     names = resolve_blocks(model, blocks)
@@ -175,11 +179,11 @@ def uncheckpoint(model: nn.Module) -> nn.Module:
     return model
 
 
-def checkpointed_blocks(model: nn.Module) -> dict[str, str]:
-    """The blocks memfit checkpoints now, ``{name: mode}``."""
-    out = {}
+def checkpointed_blocks(model: nn.Module) -> dict[str, CheckpointMode]:
+    """The blocks memfit checkpoints now, ``{name: mode}`` (blocks in a segment: ``full``)."""
+    out: dict[str, CheckpointMode] = {}
     for name, module in model.named_modules():
         layer = forward_layers(module).get(_TAG)
-        if layer is not None:
-            out[name] = layer[1][1]
+        if layer is not None and isinstance(layer.state, BlockLayer):
+            out[name] = layer.state.mode
     return out

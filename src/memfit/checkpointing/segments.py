@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +42,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memfit.checkpointing.hf import without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
-from memfit.checkpointing.modes import LAYER_TAG, checkpoint_contexts, refuse_double_checkpointing
+from memfit.checkpointing.modes import LAYER_TAG, BlockLayer, checkpoint_contexts, refuse_double_checkpointing
 from memfit.checkpointing.policy import compiled_contexts
 from memfit.errors import ConfigError
 
@@ -69,6 +70,13 @@ class _Segment:
         self.active, self.output, self.rest, self.kwargs = False, None, (), {}
 
 
+@dataclass(frozen=True)
+class _SegmentLayer(BlockLayer):
+    """A block's layer inside a segment: checkpointed (``full``) with the segment's other blocks."""
+
+    seg: _Segment
+
+
 def _chain(inner: Callable[..., Any], seg: _Segment, *args: Any, **kwargs: Any) -> Any:
     """Run every block of the segment; the later ones through their own layers (``running``)."""
     seg.running = True
@@ -85,9 +93,8 @@ def _contexts(seg: _Segment) -> tuple[Any, Any]:
     return checkpoint_contexts(nn.ModuleList(seg.modules), "full")
 
 
-def _head(
-    inner: Callable[..., Any], module: nn.Module, mode: str, seg: _Segment, *args: Any, **kwargs: Any
-) -> Any:
+def _head(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs: Any) -> Any:
+    seg = layer.seg
     if seg.running:
         return inner(*args, **kwargs)
     if not torch.is_grad_enabled() or not args:
@@ -117,9 +124,8 @@ def _same(a: Any, b: Any) -> bool:
     return a is b or (not isinstance(a, torch.Tensor) and type(a) is type(b) and a == b)
 
 
-def _member(
-    inner: Callable[..., Any], module: nn.Module, mode: str, seg: _Segment, *args: Any, **kwargs: Any
-) -> Any:
+def _member(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs: Any) -> Any:
+    seg, module = layer.seg, layer.module
     if seg.running or not seg.active:
         return inner(*args, **kwargs)
     name = seg.names[seg.next]
@@ -170,9 +176,9 @@ def set_segments(model: nn.Module, segments: Sequence[Sequence[str]]) -> nn.Modu
             )
         refuse_double_checkpointing(model)
         seg = _Segment([modules[n] for n in names], names)
-        set_forward_layer(seg.modules[0], LAYER_TAG, _head, seg.modules[0], "full", seg)
+        set_forward_layer(seg.modules[0], LAYER_TAG, _head, _SegmentLayer(seg.modules[0], "full", seg))
         for m in seg.modules[1:]:
-            set_forward_layer(m, LAYER_TAG, _member, m, "full", seg)
+            set_forward_layer(m, LAYER_TAG, _member, _SegmentLayer(m, "full", seg))
     return model
 
 
@@ -181,8 +187,8 @@ def applied_segments(model: nn.Module) -> list[list[str]]:
     found = []
     for module in model.modules():
         layer = forward_layers(module).get(LAYER_TAG)
-        if layer is not None and layer[0] is _head:
-            found.append(list(layer[1][2].names))
+        if layer is not None and layer.wrapper is _head and isinstance(layer.state, _SegmentLayer):
+            found.append(list(layer.state.seg.names))
     return found
 
 

@@ -36,13 +36,7 @@ def batch_for(spec: ModelSpec, cfg: Config, device: torch.device | None = None) 
 
 def optimizer_fn(cfg: Config) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
     """AdamW with the config's settings (what ``memfit train`` uses)."""
-    o = cfg.optimizer
-
-    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        betas = (float(o.betas[0]), float(o.betas[1]))
-        return torch.optim.AdamW(params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
-
-    return make
+    return cfg.optimizer.make
 
 
 def run_device(cfg: Config) -> torch.device:

@@ -65,7 +65,7 @@ class Plan(Record):
                 f"a plan's blocks must map block names to modes, got {type(self.blocks).__name__}; "
                 "make the plan again with memfit plan."
             )
-        self.blocks = normalize_modes(self.blocks)
+        self.blocks = dict(normalize_modes(self.blocks))
         mb = self.micro_batches
         if isinstance(mb, bool) or not isinstance(mb, int) or not 1 <= mb <= MAX_MICRO_BATCHES:
             shown = repr(mb) if len(repr(mb)) <= 24 else f"a number of {len(repr(mb))} digits"

@@ -144,7 +144,7 @@ class Stepper:
         # NOTE: every step is memfit.loop.planned_step of this plan (memfit.train_step's own
         # step); without a plan, the model's checkpointing, precision and micro-batches are one.
         self._running = plan or Plan(
-            blocks=checkpointed_blocks(unwrap(model)),
+            blocks=dict(checkpointed_blocks(unwrap(model))),
             precision=self.precision.mode,
             micro_batches=self.micro_batches,
         )
