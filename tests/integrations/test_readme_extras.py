@@ -1,4 +1,5 @@
-"""The README's blocks that need the extras (transformers, lightning, accelerate) run as pasted."""
+"""The blocks of README.md and docs/*.md that need the extras (transformers, lightning,
+accelerate) run as pasted."""
 
 from __future__ import annotations
 
@@ -10,22 +11,22 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from readme_blocks import python_blocks, run_block
+from readme_blocks import Block, all_blocks, run_block
 
-EXTRAS = [pytest.param(ln, code, id=f"line{ln}") for ln, mark, code in python_blocks() if mark == "extras"]
+EXTRAS = [pytest.param(b, id=b.id) for b in all_blocks() if b.mark == "extras"]
 _NEEDS = ("transformers", "lightning", "accelerate")
 
 
-@pytest.mark.parametrize(("line", "code"), EXTRAS)
-def test_readme_extras_block_runs_as_pasted(
-    line: int, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("block", EXTRAS)
+def test_docs_extras_block_runs_as_pasted(
+    block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for package in _NEEDS:
-        if f"import {package}" in code or f"from {package}" in code:
+        if f"import {package}" in block.code or f"from {package}" in block.code:
             pytest.importorskip(package, reason=f"{package} is not installed")
     monkeypatch.chdir(tmp_path)
     _fresh_accelerate()
-    run_block(line, code)
+    run_block(block)
 
 
 def _fresh_accelerate() -> None:
