@@ -7,8 +7,8 @@ import itertools
 import torch
 from torch import nn
 
-from memfit.app.build import ModelSpec
 from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.spec import ModelSpec
 
 FACTOR = 1e5
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from memfit.app.build import ModelSpec
 from memfit.models.gpt import GPT, GPTConfig
+from memfit.models.spec import ModelSpec
 
 # NOTE: the test models are tiny; on a shared CPU, torch's intra-op threads cost more than
 # they gain (a 4-5x slowdown under load), so tests run single-threaded.

@@ -8,8 +8,8 @@ import time
 import torch
 from torch import nn
 
-from memfit.app.build import ModelSpec
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.spec import ModelSpec
 
 
 def _slow_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -39,6 +39,7 @@ __all__ = [
     "resolve_device",
     "room",
     "room_needed",
+    "unwrap",
 ]
 
 
@@ -181,6 +182,11 @@ def model_device(module: nn.Module) -> torch.device:
     if first is None:
         first = next(iter(module.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP wrapper (FSDP2 wraps in place, so it is the model itself)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def default_device() -> torch.device:

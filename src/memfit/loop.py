@@ -41,13 +41,13 @@ from memfit.apply import apply, check_plan_fits
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.compile import compile_in_place
 from memfit.checkpointing.segments import applied_segments
-from memfit.devices import model_device
+from memfit.devices import model_device, unwrap
 from memfit.errors import ConfigError, LeverRefused, NonFiniteLoss
-from memfit.levers.apply import apply_levers, fused_step_of
+from memfit.levers.apply import apply_levers
+from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.trainer.distributed import unwrap
 from memfit.vocab import normalize_modes
 
 __all__ = ["Prepared", "planned_step", "prepare", "prepared", "train_step"]

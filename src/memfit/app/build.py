@@ -5,7 +5,7 @@ A model is the built-in GPT, a Hugging Face architecture built from its config
 ``import:package.module:factory``. The factory is called
 with ``model.kwargs`` and returns either an ``nn.Module`` that maps ``(B, T)`` byte tokens
 to ``(B, T, V)`` logits (it then trains on the text corpus like the GPT), or a
-:class:`ModelSpec` that brings its own loss function and batches.
+:class:`~memfit.models.spec.ModelSpec` that brings its own loss function and batches.
 
 Example:
     >>> from memfit.app.config import load_config
@@ -20,45 +20,16 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
 from memfit.app.config import ModelConfig
 from memfit.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
-from memfit.step import Batch, LossFn
+from memfit.models.spec import ModelSpec
 
-__all__ = ["ModelSpec", "build_model", "load_factory"]
-
-
-@dataclass
-class ModelSpec:
-    """A model with the loss function and batches that go with it.
-
-    ``make_batch(batch_size, seed)`` returns a batch of synthetic data; for a language
-    model (``seq_len`` set) batches normally come from the text corpus instead.
-    """
-
-    model: nn.Module
-    loss_fn: LossFn
-    make_batch: Callable[[int, int], Batch] | None = None
-    seq_len: int | None = None
-    vocab_size: int = 256
-
-    def random_batch(self, batch_size: int, seed: int = 0) -> Batch:
-        """A batch of the right shape: the spec's own, or random tokens for a language model."""
-        if self.make_batch is not None:
-            return self.make_batch(batch_size, seed)
-        if self.seq_len is None:
-            raise ConfigError(
-                "this model brings no batches; its factory must return a ModelSpec with make_batch."
-            )
-        g = torch.Generator().manual_seed(seed)
-        x = torch.randint(0, self.vocab_size, (batch_size, self.seq_len + 1), generator=g)
-        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+__all__ = ["build_model", "load_factory"]
 
 
 def load_factory(target: str) -> Callable[..., Any]:

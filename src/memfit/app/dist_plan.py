@@ -32,7 +32,7 @@ from torch import nn
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.segments import applied_segments
-from memfit.devices import model_device, room
+from memfit.devices import model_device, room, unwrap
 from memfit.errors import ConfigError, InfeasibleBudget, MemfitError
 from memfit.measuring.profile import profile
 from memfit.outputs import marked_json
@@ -42,7 +42,7 @@ from memfit.planning.sharding import rank_profile
 from memfit.records import Plan
 from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
-from memfit.trainer.distributed import DistContext, local_batch, unwrap
+from memfit.trainer.distributed import DistContext, local_batch
 
 __all__ = ["gather_ranks", "plan_for_ranks", "rank_notes"]
 

@@ -33,7 +33,7 @@ import torch
 
 from memfit.app.config import Config
 from memfit.app.dist_plan import rank_notes
-from memfit.app.resume import Resumed, print_notes, resolve_resume, resume_run
+from memfit.app.resume import Resumed, print_notes, resume_run
 from memfit.app.run_report import (
     BudgetWatch,
     EchoEvaluations,
@@ -51,7 +51,7 @@ from memfit.trainer.distributed import DistContext, init_distributed, shutdown_d
 from memfit.trainer.signals import STOP_REASONS, graceful_stop
 from memfit.trainer.trainer import Trainer
 
-__all__ = ["INTERRUPTED", "TrainRun", "resolve_resume", "train_from_config"]
+__all__ = ["INTERRUPTED", "TrainRun", "train_from_config"]
 
 #: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.trainer.signals.STOP_REASONS`).
 INTERRUPTED = STOP_REASONS[signal.SIGINT]

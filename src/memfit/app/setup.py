@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.app.build import ModelSpec, build_model
+from memfit.app.build import build_model
 from memfit.app.config import Config
 from memfit.app.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.app.dist_plan import plan_for_ranks
@@ -38,6 +38,7 @@ from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
 from memfit.devices import resolve_device, room
 from memfit.errors import ConfigError
+from memfit.models.spec import ModelSpec
 from memfit.outputs import check_output_dir
 from memfit.planning.budgets import refuse_over_room
 from memfit.planning.planner import plan

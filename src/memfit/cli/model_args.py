@@ -7,9 +7,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from memfit.app.build import ModelSpec, build_model
+from memfit.app.build import build_model
 from memfit.app.config import Config
 from memfit.devices import resolve_device
+from memfit.models.spec import ModelSpec
 from memfit.step import Batch
 
 __all__ = ["batch_for", "describe", "optimizer_fn", "run_device", "spec_for"]

@@ -39,7 +39,6 @@ __all__ = [
     "build_hf_causal_lm",
     "checkpointing_owner",
     "hf_causal_loss",
-    "hf_checkpointing_active",
     "hf_model_type",
     "prepare",
     "require_transformers",

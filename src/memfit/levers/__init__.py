@@ -20,8 +20,9 @@ they still train the same model.
 
 from memfit.levers.apply import apply_levers, remove_levers
 from memfit.levers.fused import FusedStep, fused_step_of
-from memfit.levers.optim import lever_optimizer, state_bytes
+from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import STATE_LEVERS, allowed_levers, check_levers, normalize_levers, state_kind
+from memfit.stepmodel.levers import state_bytes
 
 __all__ = [
     "STATE_LEVERS",

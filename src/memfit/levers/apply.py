@@ -23,7 +23,7 @@ from memfit.levers.spec import check_levers, state_kind
 from memfit.levers.weights import cast_weights
 from memfit.records import Plan
 
-__all__ = ["apply_levers", "fused_step_of", "remove_levers"]
+__all__ = ["apply_levers", "remove_levers"]
 
 
 def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.Optimizer:

@@ -36,10 +36,9 @@ import torch
 
 from memfit.errors import LeverRefused
 from memfit.levers.spec import ADAM_LIKE, torchao_available
-from memfit.stepmodel.levers import state_bytes
 from memfit.vocab import WEIGHTS
 
-__all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer", "state_bytes"]
+__all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer"]
 
 #: State kinds: fp32 (unchanged), bf16, 8bit, 4bit.
 KINDS = (*WEIGHTS, "8bit", "4bit")

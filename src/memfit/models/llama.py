@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.app.build import ModelSpec
 from memfit.errors import ConfigError
 from memfit.models.gpt import gpt_loss
+from memfit.models.spec import ModelSpec
 
 __all__ = ["PRESETS", "Llama", "LlamaConfig", "llama"]
 

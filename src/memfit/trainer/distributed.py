@@ -42,7 +42,6 @@ __all__ = [
     "init_distributed",
     "local_batch",
     "shutdown_distributed",
-    "unwrap",
     "wrap_model",
 ]
 
@@ -176,11 +175,6 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
             fully_shard(model.get_submodule(name))
         fully_shard(model)
     return model
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP wrapper (FSDP2 wraps in place, so it is the model itself)."""
-    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def end_worker_process(code: int) -> NoReturn:

@@ -35,14 +35,14 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.checkpointing.compile import is_compiled
-from memfit.devices import model_device
+from memfit.devices import model_device, unwrap
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport, Plan
 from memfit.step import Batch, LossFn, StepResult
-from memfit.trainer.distributed import DistContext, global_mean, local_batch, unwrap
+from memfit.trainer.distributed import DistContext, global_mean, local_batch
 from memfit.trainer.oom import (
     OomConfig,
     ReplanEvent,

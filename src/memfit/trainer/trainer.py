@@ -38,11 +38,12 @@ import torch
 from torch import nn
 
 from memfit.check.guards import Guard, GuardConfig
+from memfit.devices import unwrap
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
 from memfit.records import MemoryReport, Plan, StepMetrics
 from memfit.step import Batch, LossFn
-from memfit.trainer.distributed import DistContext, unwrap
+from memfit.trainer.distributed import DistContext
 from memfit.trainer.oom import OomConfig, ReplanEvent
 from memfit.trainer.sharded_state import load_sharded, save_sharded, sharded
 from memfit.trainer.signals import agreed_stop
