@@ -16,7 +16,7 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
 from memfit.levers.spec import allowed_levers, normalize_levers
 from memfit.measuring.estimate import estimate
-from memfit.planning.levers import smallest_with_levers
+from memfit.planning.lever_sets import smallest_with_levers
 from memfit.records import Estimate
 from memfit.report.memory_tables import strategy_table, verdict_line
 from memfit.vocab import PRECISIONS

@@ -44,7 +44,7 @@ from memfit.measuring.profile import Profiler
 from memfit.planning.budgets import fixed_bytes, held_bytes, refuse_over_room, resolve_in_room
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.planning.largest_batch import largest_batch
-from memfit.planning.levers import levers_applied, plan_with_levers, replan_without, resolve_levers
+from memfit.planning.lever_sets import levers_applied, plan_with_levers, replan_without, resolve_levers
 from memfit.planning.notes import complete_profile, plan_notes
 from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
@@ -83,7 +83,7 @@ class _Planner:
         self.complete = False
         """Measure every mode even where the budget needs none (a later re-plan may need them)."""
         self.levers: list[str] = []
-        """Levers the plan may use (:mod:`memfit.planning.levers`)."""
+        """Levers the plan may use (:mod:`memfit.planning.lever_sets`)."""
         self.room: Room | None = None
         """The device's room when planning began (None: unknown); each profiler reads the room
         its own steps have."""

@@ -51,7 +51,7 @@ class Estimate(Record):
     """Wall time the estimate took."""
     with_levers: EstimateEntry | None = None
     """With ``levers``: the smallest step the levers allow
-    (:func:`memfit.planning.levers.smallest_with_levers`)."""
+    (:func:`memfit.planning.lever_sets.smallest_with_levers`)."""
 
     def entry(self, precision: str, mode: str) -> EstimateEntry:
         """The entry of one strategy; KeyError names the strategies there are."""
