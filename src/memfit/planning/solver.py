@@ -221,13 +221,15 @@ def solve(
         in_time = LinearConstraint(cost.reshape(1, -1), -np.inf, band)
         peak_cost = np.zeros(len(prog.options) + 1)
         peak_cost[-1] = 1.0
-        lowest = prog.run(peak_cost, [in_time], True, budget)
+        # HiGHS lets a row be violated by its feasibility tolerance (1e-6 of the row): every
+        # answer asked for "within the band" is checked against the band exactly.
+        lowest = _within(prog.run(peak_cost, [in_time], True, budget), cost, band)
         chosen = prog.picked(x if lowest is None else lowest)
         peak = float(simulate_options(profile, chosen, micro_batches, prog.events).peak_bytes)
         # NOTE: HiGHS stops within an absolute gap of 1e-6 of the normalised peak, a byte at a
         # megabyte scale; asking in exact bytes for one byte less settles the lowest peak.
         for _ in range(3):
-            lower = prog.run(cost, [in_time], False, peak - 1)
+            lower = _within(prog.run(cost, [in_time], False, peak - 1), cost, band)
             if lower is None:
                 break
             found = prog.picked(lower)
@@ -240,7 +242,7 @@ def solve(
         # byte over, and the exact check below catches what it still lets in.
         scale = max(1.0, peak)
         at_peak = LinearConstraint(prog.rows / scale, -np.inf, (peak - 0.5 - prog.const) / scale)
-        ordered = prog.run(_order(prog), [in_time, at_peak], False, budget)
+        ordered = _within(prog.run(_order(prog), [in_time, at_peak], False, budget), cost, band)
         if ordered is not None:
             preferred = prog.picked(ordered)
             if simulate_options(profile, preferred, micro_batches, prog.events).peak_bytes <= peak:
@@ -252,6 +254,13 @@ def solve(
         # budget); the exact check caught one, so the rows are tightened by the excess.
         tighten += sol.peak_bytes - budget_bytes
     return None
+
+
+def _within(x: np.ndarray | None, cost: np.ndarray, band: float) -> np.ndarray | None:
+    """``x`` where its time is within ``band`` exactly (its first ``len(cost)`` entries), else None."""
+    if x is None or float(cost @ x[: len(cost)]) > band:
+        return None
+    return x
 
 
 def minimum_peak(profile: Profile, micro_batches: int = 1, *, segments: bool = True) -> Solution:
