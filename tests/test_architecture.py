@@ -34,7 +34,6 @@ _PENDING_LONG_FUNCTIONS = {
     "memfit.measuring.phases.phased_step",
     "memfit.planning.planner.plan",
     "memfit.report.check_report.check_markdown",
-    "memfit.stepmodel.memory.events",
 }
 
 
