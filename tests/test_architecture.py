@@ -30,8 +30,6 @@ _PENDING_LONG_FUNCTIONS = {
     "memfit.benchmarking.sweep.bench",
     "memfit.check.stability.check_stability",
     "memfit.cli.bench.run",
-    "memfit.measuring.estimate.estimate",
-    "memfit.measuring.phases.phased_step",
     "memfit.planning.planner.plan",
     "memfit.report.check_report.check_markdown",
 }

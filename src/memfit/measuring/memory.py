@@ -24,8 +24,9 @@ import time
 import torch
 from torch import nn
 
+from memfit.devices import model_device
 from memfit.measuring.preserve import preserved
-from memfit.measuring.tracker import MemoryWatch, device_of
+from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport
 from memfit.step import Batch, LossFn, training_step
@@ -91,7 +92,7 @@ def measure(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
-    device = device_of(model)
+    device = model_device(model)
     prec = as_precision(precision, device=device)
     scaler_state = prec.scaler.state_dict()
     with preserved(model, optimizer):

@@ -33,8 +33,9 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.utils._pytree import tree_flatten
 
 from memfit.checkpointing.compile import eager
+from memfit.devices import model_device
 
-__all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of", "device_of"]
+__all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of"]
 __all__ += ["fsdp_breakdown_of", "is_fsdp"]
 
 _NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
@@ -75,12 +76,6 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def device_of(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
-
-
 class MemoryWatch:
     """Context that tracks the memory of the training step run inside it.
 
@@ -90,7 +85,7 @@ class MemoryWatch:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model, self.device, self.peak_bytes, self._parts = model, device_of(model), 0, breakdown_of
+        self.model, self.device, self.peak_bytes, self._parts = model, model_device(model), 0, breakdown_of
         self._hook: Any = None
         self._eager: Any = None
         self.breakdown: dict[str, int] = {}
@@ -207,9 +202,6 @@ class PhaseTracker(MemTracker):
 
     def current_parts(self) -> dict[str, int]:
         return breakdown_of(self._curr_mem_snap.get(self.device, {}))
-
-    def grads_now(self) -> int:
-        return int(self._curr_mem_snap.get(self.device, {}).get(_MemRefType.GRAD, 0))
 
     def enter_phase(self, phase: str) -> None:
         self.phase = phase

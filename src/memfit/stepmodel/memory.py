@@ -273,7 +273,7 @@ def _forward_events(w: _Walk, ph: _Phase) -> list[Event]:
         result.append(Event(f"{prefix}forward outside before the blocks", fixed))
     for t, block in enumerate(w.profile.blocks):
         fixed = {**start, "activations": w.whole + w.before}
-        result.append(w.event(f"{prefix}forward of {block.name}", fixed, lambda o, t=t: w.blk.forward(o, t)))
+        result.append(w.event(f"{prefix}forward of {block.name}", fixed, functools.partial(w.blk.forward, t=t)))
     fixed = {**start, "activations": w.whole, "temporaries": w.out_fwd}
     label = f"{prefix}forward outside the blocks (head, loss)"
     return [*result, w.event(label, fixed, lambda o: w.blk.after_forward(o, False))]
@@ -306,11 +306,11 @@ def _block_backward_events(w: _Walk, ph: _Phase) -> list[Event]:
         fixed = {**w.state, "grads": grads, "activations": w.whole + w.kept_before}
         if segments:
             label = f"{prefix}recompute before the backward of {block.name}"
-            result.append(w.event(label, fixed, lambda o, t=t: w.blk.backward(o, t, True)))
+            result.append(w.event(label, fixed, functools.partial(w.blk.backward, t=t, recompute=True)))
         if ph.last:  # its new gradients step and go as they complete; one parameter's step at a time
             fixed = {**fixed, "temporaries": w.step.get(block.name, 0) - _grad(block)}
         label = f"{prefix}backward of {block.name}"
-        result.append(w.event(label, fixed, lambda o, t=t: w.blk.backward(o, t, False)))
+        result.append(w.event(label, fixed, functools.partial(w.blk.backward, t=t, recompute=False)))
         if ph.last:
             grads -= _grad(block) if later else 0
         elif not later:
