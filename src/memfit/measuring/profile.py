@@ -148,7 +148,7 @@ class Profiler:
             create_optimizer_state(model, optimizer)
             uncheckpoint(model)
             model.train()
-            # NOTE: a twin's failure is no verdict on the batch: the real step that follows judges it
+            # See Note [fake tensors first, real tensors where they fail]
             checked = batch_errors(model, batch) if not on_twin else nullcontext()
             # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
             count = on_twin or self.estimate is None
@@ -156,7 +156,7 @@ class Profiler:
                 mem = phased_step(
                     model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
                 )
-            # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
+            # only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
         if not count and self.estimate is not None:
             mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
@@ -171,7 +171,7 @@ class Profiler:
             try:
                 self.twin = make_twin(self.model, self.optimizer, self.batch)
                 self.estimate = self._plain_step(on_twin=True)
-            except Exception as exc:  # NOTE: whatever a fake twin cannot do, a real step may
+            except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self.twin, self.twin_error = None, f"{type(exc).__name__}: {first}"
                 self.measured.append(
@@ -189,7 +189,7 @@ class Profiler:
     def plain_fits(self) -> bool:
         """Whether the plain step fits the device's room now (unknown room or estimate: True)."""
         peak = self.estimated_peak()
-        if self.room is None:  # NOTE: read after the fake step, which loads what a first step needs
+        if self.room is None:  # See Note [room after the fake step]
             self.room = room(model_device(self.model))
         if self.room is None or peak is None or self.estimate is None:
             return True

@@ -273,7 +273,8 @@ def _forward_events(w: _Walk, ph: _Phase) -> list[Event]:
         result.append(Event(f"{prefix}forward outside before the blocks", fixed))
     for t, block in enumerate(w.profile.blocks):
         fixed = {**start, "activations": w.whole + w.before}
-        result.append(w.event(f"{prefix}forward of {block.name}", fixed, functools.partial(w.blk.forward, t=t)))
+        label = f"{prefix}forward of {block.name}"
+        result.append(w.event(label, fixed, functools.partial(w.blk.forward, t=t)))
     fixed = {**start, "activations": w.whole, "temporaries": w.out_fwd}
     label = f"{prefix}forward outside the blocks (head, loss)"
     return [*result, w.event(label, fixed, lambda o: w.blk.after_forward(o, False))]
