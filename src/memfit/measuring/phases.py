@@ -220,7 +220,7 @@ def _tracked_step(
         marks["backward_end"] = tracker.total()
         tracker.enter_phase("optimizer")
 
-    # See Note [compiled code runs eagerly when tracked]
+    # See Note [compiled code runs eagerly when tracked] (memfit.measuring.tracker)
     with eager(), tracker:
         start, start_parts = tracker.total(), tracker.current_parts()
         tracker.enter_phase("forward")
