@@ -30,7 +30,8 @@ from memfit.benchmarking.strategies import Strategy
 from memfit.devices import model_device
 from memfit.errors import InfeasibleBudget
 from memfit.measuring.profile import profile
-from memfit.planning.planner import candidate_precisions, plan
+from memfit.planning.choose import candidate_precisions
+from memfit.planning.planner import plan
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
 

@@ -31,7 +31,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport
 from memfit.step import Batch, LossFn, training_step
 
-__all__ = ["MemoryWatch", "measure", "tracked_step"]
+__all__ = ["measure", "tracked_step"]
 
 
 def tracked_step(

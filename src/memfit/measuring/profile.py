@@ -78,10 +78,8 @@ _Context = AbstractContextManager[Any]
 __all__ = [
     "BLOCK_ROUNDS",
     "Profiler",
-    "create_optimizer_state",
     "memory_profile",
     "profile",
-    "profile_from_memory",
 ]
 
 
