@@ -56,6 +56,7 @@ from memfit.measuring.twin import make_twin, twin_precision
 from memfit.precision import Precision
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionName
 
 __all__ = ["bench"]
 
@@ -149,7 +150,7 @@ def _drop(run: _Run, exc: BaseException, device: torch.device) -> None:
 
 
 def _baseline_flops(
-    precision: str,
+    precision: PrecisionName,
     points: dict[str, BenchPoint],
     model: nn.Module,
     batch: Batch,

@@ -40,6 +40,7 @@ from memfit.levers.apply import apply_levers, remove_levers
 from memfit.precision import Precision
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionName
 
 __all__ = ["CheckRunner", "OptimizerFn", "RunResult", "finite", "flat_params"]
 
@@ -133,7 +134,7 @@ class CheckRunner:
     def run(
         self,
         name: str,
-        mode: str,
+        mode: PrecisionName,
         order: Sequence[int],
         run_seed: int,
         eval_batches: Sequence[Batch],

@@ -46,6 +46,7 @@ from memfit.checkpointing import set_block_modes
 from memfit.devices import model_device
 from memfit.records import Profile
 from memfit.stepmodel import forward_work, selective_work
+from memfit.vocab import CheckpointMode
 
 __all__ = [
     "BlockInputs",
@@ -123,7 +124,7 @@ def time_block_modes(
     model: nn.Module,
     name: str,
     seen: BlockInputs,
-    modes: Sequence[str],
+    modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, list[float]]:
@@ -170,7 +171,7 @@ def block_extras(
     model: nn.Module,
     name: str,
     seen: BlockInputs,
-    modes: Sequence[str],
+    modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> tuple[dict[str, list[float]], str]:

@@ -30,6 +30,7 @@ from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionChoice
 
 __all__ = ["measure", "tracked_step"]
 
@@ -67,7 +68,7 @@ def measure(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
     steps: int = 3,
     micro_batches: int = 1,
 ) -> MemoryReport:

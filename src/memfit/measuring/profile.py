@@ -67,7 +67,7 @@ from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import fill_times, forward_work, simulate, time_note
-from memfit.vocab import CHECKPOINT_MODES, CheckpointMode
+from memfit.vocab import CHECKPOINT_MODES, CheckpointMode, PrecisionChoice
 
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
 BLOCK_ROUNDS = 8
@@ -508,7 +508,7 @@ def memory_profile(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
 ) -> Profile:
     """Every checkpointing mode's memory, measured under fake tensors: nothing is allocated,
     nothing timed (the profile has no time model).
@@ -544,7 +544,7 @@ def profile(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
     repeats: int = 3,
 ) -> Profile:
     """Profile each block's memory, time and FLOPs under none, selective and full checkpointing.
