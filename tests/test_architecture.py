@@ -23,22 +23,8 @@ ARCHITECTURE = SRC.parents[1] / "docs" / "ARCHITECTURE.md"
 MAX_LINES = 600
 #: The most names the top-level package exports.
 MAX_PUBLIC = 20
-# NOTE: import cycles still to be removed would be listed here; a test fails as soon as one
-# is gone and still listed, so the list only shrinks (issue 11 removed the HF probe's).
-_PENDING_CYCLES: list[list[str]] = []
-_PENDING_LONG: set[str] = set()
 #: The longest a function may be (most are under 40 lines).
 MAX_FUNCTION_LINES = 80
-# Functions still longer than that, as "module.function"; the set only shrinks.
-_PENDING_LONG_FUNCTIONS = {
-    "memfit.benchmarking.sweep.bench",
-    "memfit.check.stability.check_stability",
-    "memfit.cli.bench.run",
-    "memfit.measuring.estimate.estimate",
-    "memfit.measuring.phases.phased_step",
-    "memfit.report.check_report.check_markdown",
-    "memfit.stepmodel.memory.events",
-}
 
 
 def _modules() -> dict[str, Path]:
@@ -159,13 +145,6 @@ def test_the_direction_check_finds_an_upward_import() -> None:
     ]
 
 
-# Names still re-exported by a module that only imports them, as "module.name"; only shrinks.
-_PENDING_REEXPORTS = {
-    "memfit.measuring.memory.MemoryWatch",
-    "memfit.measuring.phases.BlockMemory",
-    "memfit.measuring.profile.create_optimizer_state",
-    "memfit.measuring.profile.profile_from_memory",
-}
 
 
 def _defined(tree: ast.Module) -> set[str]:
@@ -192,11 +171,11 @@ def test_only_package_facades_re_export() -> None:
             continue
         tree = ast.parse(path.read_text(encoding="utf-8"))
         found |= {f"{mod}.{name}" for name in _exported(tree) if name not in _defined(tree)}
-    assert found == _PENDING_REEXPORTS
+    assert found == set()
 
 
 def test_the_import_graph_has_no_cycles() -> None:
-    assert _cycles(_graph()) == _PENDING_CYCLES
+    assert _cycles(_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle() -> None:
@@ -216,7 +195,7 @@ def test_no_module_imports_a_private_name_from_another() -> None:
 
 def test_modules_stay_small() -> None:
     long = {m for m, p in _modules().items() if len(p.read_text().splitlines()) > MAX_LINES}
-    assert long == _PENDING_LONG
+    assert long == set()
 
 
 def test_functions_fit_on_a_screen() -> None:
@@ -226,7 +205,7 @@ def test_functions_fit_on_a_screen() -> None:
             function = isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
             if function and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_FUNCTION_LINES:
                 long.add(f"{mod}.{node.name}")  # type: ignore[attr-defined]
-    assert long == _PENDING_LONG_FUNCTIONS
+    assert long == set()
 
 
 def test_the_top_level_exports_few_names_and_none_shadows_a_subpackage() -> None:

@@ -256,7 +256,7 @@ def test_verify_refuses_a_lever_whose_check_fails() -> None:
 def test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients() -> None:
     """Every block's saved activations in pinned host memory: the CUDA allocator's peak drops,
     the gradients are the same (benchmarks/gpu_check.sh prints the numbers)."""
-    from memfit.measuring.memory import MemoryWatch
+    from memfit.measuring.tracker import MemoryWatch
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=256)).cuda()

@@ -19,9 +19,9 @@ import memfit
 from memfit.levers import apply_levers, remove_levers
 from memfit.levers.weights import cast_weights
 from memfit.measuring.levers import attach_lever_facts
-from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
+from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan

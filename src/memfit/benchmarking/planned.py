@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import nn
@@ -34,6 +35,7 @@ from memfit.planning.choose import candidate_precisions
 from memfit.planning.planner import plan
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn
+from memfit.vocab import PrecisionName, normalize_precision
 
 __all__ = ["plan_strategy", "planner_strategies"]
 
@@ -46,7 +48,7 @@ def plan_strategy(chosen: Plan, name: str) -> Strategy:
     """A bench strategy that runs ``chosen`` (its checkpointing, precision and micro-batches)."""
     return Strategy(
         name=name,
-        precision=chosen.precision,
+        precision=cast(PrecisionName, normalize_precision(chosen.precision)),
         checkpointing="plan",
         prepare=functools.partial(_apply, chosen),
         micro_batches=chosen.micro_batches,

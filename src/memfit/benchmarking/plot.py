@@ -164,7 +164,7 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
     ax.set_title("memfit bench: memory against step time" + (f" ({title})" if title else ""))
     ax.grid(True, alpha=0.3)
     if xs:
-        # NOTE: the axis spans the measured points; the budget only joins it when it is near.
+        # the axis spans the measured points; the budget only joins it when it is near.
         lo_x, hi_x = min(xs), max(xs)
         pad_x = (hi_x - lo_x) * 0.18 or max(hi_x * 0.1, 1e-3)
         left, right = lo_x - pad_x, hi_x + pad_x
@@ -173,7 +173,7 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
         pad_y = (max(ys) - min(ys)) * 0.18 or max(max(ys) * 0.1, 1e-3)
         ax.set_xlim(left, right)
         if min(ys) > 0 and max(ys) / min(ys) > 8:
-            # NOTE: emulated precisions can be 20x slower; a log axis keeps the rest apart.
+            # emulated precisions can be 20x slower; a log axis keeps the rest apart.
             ax.set_yscale("log")
             ax.set_ylim(min(ys) / 1.25, max(ys) * 1.25)
             ax.set_ylabel("step time, median (ms, log scale)")

@@ -40,7 +40,7 @@ from memfit.benchmarking.sequential import install_sequential
 from memfit.checkpointing import checkpoint
 from memfit.errors import ConfigError
 from memfit.step import Batch, LossFn
-from memfit.vocab import PRECISIONS
+from memfit.vocab import PRECISIONS, CheckpointMode, PrecisionName
 
 __all__ = [
     "BENCH_CHECKPOINTING",
@@ -51,7 +51,7 @@ __all__ = [
     "resolve_strategies",
 ]
 
-BENCH_PRECISIONS: tuple[str, ...] = PRECISIONS
+BENCH_PRECISIONS: tuple[PrecisionName, ...] = PRECISIONS
 BENCH_CHECKPOINTING: tuple[str, ...] = ("none", "full", "every2", "sequential", "selective")
 
 Prepare = Callable[[nn.Module, Batch, LossFn], nn.Module]
@@ -63,7 +63,7 @@ class Strategy:
 
     name: str
     """Unique name shown in tables, e.g. ``"bf16/full"`` or ``"plan@2GiB"``."""
-    precision: str
+    precision: PrecisionName
     """``"fp32"``, ``"bf16"`` or ``"fp16"``."""
     checkpointing: str
     """A short label of what ``prepare`` does: none, full, every2, sequential, selective, plan."""
@@ -77,7 +77,9 @@ def _plain(model: nn.Module, batch: Batch, loss_fn: LossFn) -> nn.Module:
     return model
 
 
-def _checkpointed(mode: str, every: int, model: nn.Module, batch: Batch, loss_fn: LossFn) -> nn.Module:
+def _checkpointed(
+    mode: CheckpointMode, every: int, model: nn.Module, batch: Batch, loss_fn: LossFn
+) -> nn.Module:
     return checkpoint(model, mode=mode, every=every)
 
 
@@ -94,7 +96,7 @@ _PREPARE: dict[str, Prepare] = {
 }
 
 
-def builtin_strategy(precision: str, checkpointing: str) -> Strategy:
+def builtin_strategy(precision: PrecisionName, checkpointing: str) -> Strategy:
     """The built-in strategy ``precision/checkpointing``."""
     return Strategy(
         name=f"{precision}/{checkpointing}",

@@ -56,6 +56,7 @@ from memfit.measuring.twin import make_twin, twin_precision
 from memfit.precision import Precision
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionName
 
 __all__ = ["bench"]
 
@@ -127,10 +128,10 @@ def _refuse_what_cannot_fit(run: _Run, batch: Batch, loss_fn: LossFn, device: to
             create_optimizer_state(twin.model, twin.optimizer)
             precision = twin_precision(run.precision)
             mem = phased_step(twin.model, twin.batch, loss_fn, twin.optimizer, precision, [])
-    except Exception:  # NOTE: what fake tensors cannot run is measured for real, as before
+    except Exception:  # See Note [fake tensors first, real tensors where they fail]
         return
     extra = mem.peak - mem.start + sum(optimizer_state_bytes(twin.optimizer).values())
-    r = room(device)  # NOTE: after the fake step, which loads what a first step needs
+    r = room(device)  # See Note [room after the fake step]
     if r is not None and not r.fits(extra):
         run.point.peak_bytes = int(mem.peak)
         raise OutOfMemory(
@@ -149,7 +150,7 @@ def _drop(run: _Run, exc: BaseException, device: torch.device) -> None:
 
 
 def _baseline_flops(
-    precision: str,
+    precision: PrecisionName,
     points: dict[str, BenchPoint],
     model: nn.Module,
     batch: Batch,
@@ -180,7 +181,7 @@ def _plain_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, plain: _Run, d
         fake = _Run(strategy=plain.strategy, point=plain.point, precision=twin_precision(plain.precision))
         with twin.mode:
             return _flops(uncheckpoint(twin.model.to(device)).train(), twin.batch, loss_fn, None, fake)
-    except Exception:  # NOTE: what fake tensors cannot run is counted for real, as before
+    except Exception:  # See Note [fake tensors first, real tensors where they fail]
         copied = uncheckpoint(copy.deepcopy(model).to(device)).train()
         return _flops(copied, batch, loss_fn, None, plain)
 
@@ -199,6 +200,102 @@ def _finish(runs: Sequence[_Run], baseline: str) -> None:
         p.peak_ratio = p.peak_bytes / base.peak_bytes if base.peak_bytes else 0.0
         p.time_ratio = p.step_seconds / base.step_seconds if base.step_seconds else 0.0
     mark_front(points)
+
+
+@dataclass(frozen=True)
+class _Bench:
+    """What every strategy's steps share: the model they copy, the batch, the device."""
+
+    model: nn.Module
+    batch: Batch
+    loss_fn: LossFn
+    optimizer: OptimizerArg
+    device: torch.device
+    seed: int
+
+
+def _check_steps(steps: int, slow_steps: int | None) -> None:
+    for label, value in (("steps", steps), ("slow_steps", steps if slow_steps is None else slow_steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"{label} must be a positive integer, got {value!r}.")
+
+
+def _runs(chosen: Sequence[Strategy], device: torch.device) -> list[_Run]:
+    tracker = "cuda-allocator" if device.type == "cuda" else "MemTracker"
+    return [
+        _Run(
+            s,
+            BenchPoint(
+                s.name,
+                s.precision,
+                s.checkpointing,
+                micro_batches=s.micro_batches,
+                device=str(device),
+                tracker=tracker,
+            ),
+        )
+        for s in chosen
+    ]
+
+
+def _wanted(runs: Sequence[_Run], device: torch.device, steps: int, slow_steps: int | None) -> dict[str, int]:
+    """Timed steps per strategy: ``slow_steps`` for precisions the device only emulates."""
+    facts = device_facts(device)
+    native = {"fp32": True, "bf16": facts.bf16_native, "fp16": facts.fp16_native}
+    return {
+        r.point.strategy: steps
+        if native.get(r.strategy.precision, True) or slow_steps is None
+        else slow_steps
+        for r in runs
+    }
+
+
+def _memory_phase(b: _Bench, runs: Sequence[_Run], bar: Any) -> None:
+    """Each strategy's peak and FLOPs, one at a time; then its share of recompute."""
+    for run in runs:
+        bar.set_postfix_str(run.strategy.name)
+        try:
+            _prepare(run, b.model, b.batch, b.loss_fn, b.optimizer, b.device, b.seed)
+        except Exception as exc:
+            _drop(run, exc, b.device)
+        bar.update(1)
+    by_name = {r.point.strategy: r.point for r in runs}
+    cache: dict[str, int] = {}
+    for run in runs:
+        if run.point.ok:
+            try:
+                base = _baseline_flops(
+                    run.strategy.precision, by_name, b.model, b.batch, b.loss_fn, b.device, cache
+                )
+                run.point.recompute_fraction = run.point.flops / base if base else 0.0
+            except Exception as exc:
+                _drop(run, exc, b.device)
+
+
+def _timed_step(b: _Bench, run: _Run) -> None:
+    """One timed step of ``run``'s copy, brought back from where it was parked and parked again."""
+    assert run.model is not None and run.precision is not None
+    unpark(run.model, run.parked, b.device)
+    sync(b.device)
+    start = time.perf_counter()
+    training_step(run.model, b.batch, b.loss_fn, run.optimizer, run.precision, run.strategy.micro_batches)
+    sync(b.device)
+    run.point.step_times.append(time.perf_counter() - start)
+    run.parked = park(run.model, run.optimizer, b.device)
+
+
+def _timed_rounds(b: _Bench, runs: Sequence[_Run], wanted: dict[str, int], bar: Any) -> None:
+    """The timed steps, interleaved A B C A B C ... so that drift hits every strategy alike."""
+    for round_ in range(max(wanted.values())):
+        for run in runs:
+            if round_ >= wanted[run.point.strategy]:
+                continue
+            if run.point.ok and run.model is not None and run.precision is not None:
+                try:
+                    _timed_step(b, run)
+                except Exception as exc:
+                    _drop(run, exc, b.device)
+            bar.update(1)
 
 
 def bench(
@@ -243,84 +340,24 @@ def bench(
         ConfigError: an unknown strategy name, ``steps < 1``, or an optimizer that is not
             over the model's parameters.
     """
-    for label, value in (("steps", steps), ("slow_steps", steps if slow_steps is None else slow_steps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ConfigError(f"{label} must be a positive integer, got {value!r}.")
+    _check_steps(steps, slow_steps)
     check_optimizer(optimizer, model)
     chosen = resolve_strategies(strategies)
     if baseline not in {s.name for s in chosen}:
         chosen = [*resolve_strategies([baseline]), *chosen]
     dev = torch.device(device) if device is not None else model_device(model)
-    batch = batch_to(batch, dev)
-    tracker = "cuda-allocator" if dev.type == "cuda" else "MemTracker"
-    facts = device_facts(dev)
-    native = {"fp32": True, "bf16": facts.bf16_native, "fp16": facts.fp16_native}
-    runs = [
-        _Run(
-            s,
-            BenchPoint(
-                s.name,
-                s.precision,
-                s.checkpointing,
-                micro_batches=s.micro_batches,
-                device=str(dev),
-                tracker=tracker,
-            ),
-        )
-        for s in chosen
-    ]
+    b = _Bench(model, batch_to(batch, dev), loss_fn, optimizer, dev, seed)
+    runs = _runs(chosen, dev)
+    wanted = _wanted(runs, dev, steps, slow_steps)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     from tqdm import tqdm
 
-    wanted = {
-        r.point.strategy: steps
-        if native.get(r.strategy.precision, True) or slow_steps is None
-        else slow_steps
-        for r in runs
-    }
     total = sum(1 + wanted[r.point.strategy] for r in runs)
     bar = tqdm(total=total, desc="memfit bench", disable=not progress, unit="step")
     try:
-        for run in runs:
-            bar.set_postfix_str(run.strategy.name)
-            try:
-                _prepare(run, model, batch, loss_fn, optimizer, dev, seed)
-            except Exception as exc:
-                _drop(run, exc, dev)
-            bar.update(1)
-        by_name = {r.point.strategy: r.point for r in runs}
-        cache: dict[str, int] = {}
-        for run in runs:
-            if run.point.ok:
-                try:
-                    base = _baseline_flops(run.strategy.precision, by_name, model, batch, loss_fn, dev, cache)
-                    run.point.recompute_fraction = run.point.flops / base if base else 0.0
-                except Exception as exc:
-                    _drop(run, exc, dev)
-        for round_ in range(max(wanted.values())):
-            for run in runs:
-                if round_ >= wanted[run.point.strategy]:
-                    continue
-                if run.point.ok and run.model is not None and run.precision is not None:
-                    try:
-                        unpark(run.model, run.parked, dev)
-                        sync(dev)
-                        start = time.perf_counter()
-                        training_step(
-                            run.model,
-                            batch,
-                            loss_fn,
-                            run.optimizer,
-                            run.precision,
-                            run.strategy.micro_batches,
-                        )
-                        sync(dev)
-                        run.point.step_times.append(time.perf_counter() - start)
-                        run.parked = park(run.model, run.optimizer, dev)
-                    except Exception as exc:
-                        _drop(run, exc, dev)
-                bar.update(1)
+        _memory_phase(b, runs, bar)
+        _timed_rounds(b, runs, wanted, bar)
     finally:
         bar.close()
         torch.set_rng_state(rng)

@@ -10,11 +10,6 @@ the module whose backward turned a finite output gradient into a non-finite grad
 its inputs. Hooks fire innermost first, so the first non-finite record is the module that
 produced the value, not a container that merely passed it on.
 
-# NOTE: the backward hooks are tensor hooks on module outputs, not
-# ``register_full_backward_hook``: full backward hooks wrap outputs in a custom autograd
-# Function, and a model that then modifies an output in place (``out += identity``,
-# ``ReLU(inplace=True)``, as ResNets do) fails with a view+inplace error.
-
 Trade-off: while open, each hooked module costs one ``abs().amax()`` per output, and the
 step pays one device sync at the end; that is why the watch is for checking and for
 replaying a failed step, not for every step of a long run.
@@ -121,6 +116,12 @@ class OverflowWatch:
             if found is None:
                 return
             self._forward.append((name, found[1], found[0]))
+            # Note [tensor hooks, not full backward hooks]
+            # The backward hooks are tensor hooks on module outputs, not
+            # ``register_full_backward_hook``: full backward hooks wrap outputs in a custom
+            # autograd Function, and a model that then modifies an output in place
+            # (``out += identity``, ``ReLU(inplace=True)``, as ResNets do) fails with a
+            # view+inplace error.
             if torch.is_grad_enabled():
                 for t in tensors:
                     if t.requires_grad:

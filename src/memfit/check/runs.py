@@ -40,6 +40,7 @@ from memfit.levers.apply import apply_levers, remove_levers
 from memfit.precision import Precision
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionName
 
 __all__ = ["CheckRunner", "OptimizerFn", "RunResult", "finite", "flat_params"]
 
@@ -133,7 +134,7 @@ class CheckRunner:
     def run(
         self,
         name: str,
-        mode: str,
+        mode: PrecisionName,
         order: Sequence[int],
         run_seed: int,
         eval_batches: Sequence[Batch],
@@ -153,14 +154,14 @@ class CheckRunner:
             optimizer = apply_levers(model, optimizer, Plan(blocks={}, precision=mode, levers=list(levers)))
         clip: float | None = self.clip_norm if self.clip_norm else math.inf  # inf: norms measured only
         if not self.clip_norm and "fused_step" in levers and "selective" in (blocks or {}).values():
-            clip = None  # NOTE: a fused step measures norms with a second backward, which SAC refuses
+            clip = None  # a fused step measures norms with a second backward, which SAC refuses
         curve = RunCurve(name=name, precision=mode)
         first: NonFinite | None = None
         torch.manual_seed(run_seed)
         start = time.perf_counter()
         model.train()
         watch = OverflowWatch(model)
-        # NOTE: the fp32 runs go unwatched (hooks cost up to half a step on small models);
+        # the fp32 runs go unwatched (hooks cost up to half a step on small models);
         # a non-finite fp32 loss is reported without attribution.
         with watch if mode != "fp32" else contextlib.nullcontext():
             for step, index in enumerate(order, start=1):
@@ -183,7 +184,8 @@ class CheckRunner:
                 self.bar.update(1)
                 scaled = precision.scaler.is_enabled()
                 if found is not None and first is None and not (scaled and found.phase == "backward"):
-                    # NOTE: with fp16, a non-finite *scaled gradient* is how GradScaler finds
+                    # Note [an fp16 gradient's overflow is no error]
+                    # With fp16, a non-finite *scaled gradient* is how GradScaler finds
                     # its scale; the step is skipped and nothing is lost. Forward and loss
                     # overflows are real: loss scaling cannot repair them.
                     first = found
@@ -192,7 +194,7 @@ class CheckRunner:
                     break  # without a scaler the weights are now lost; more steps add nothing
         curve.seconds = time.perf_counter() - start
         if "weights_bf16" in levers:
-            # NOTE: judged in fp32 like every run: the bf16 weights upcast (exactly) first.
+            # judged in fp32 like every run: the bf16 weights upcast (exactly) first
             remove_levers(model, optimizer)
             model.float()
         curve.eval_loss = self.evaluate(model, eval_batches)

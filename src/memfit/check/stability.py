@@ -27,13 +27,15 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
 from memfit.apply import check_plan_fits
-from memfit.check.runs import CheckRunner, OptimizerFn, finite, flat_params
+from memfit.check.runs import CheckRunner, OptimizerFn, RunResult, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
@@ -41,7 +43,7 @@ from memfit.levers.spec import normalize_levers
 from memfit.precision import Precision
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
-from memfit.vocab import MIXED_PRECISIONS, PRECISIONS
+from memfit.vocab import MIXED_PRECISIONS, PrecisionName, normalize_precision
 
 __all__ = ["check_stability", "hardware_facts"]
 
@@ -61,20 +63,26 @@ def hardware_facts(facts: DeviceFacts, precisions: Sequence[str]) -> list[str]:
     return lines + [f"note: {n}" for n in facts.notes]
 
 
-def _validate(precisions: Sequence[str], steps: int, batches: Sequence[Batch]) -> None:
+def _validate(precisions: Sequence[str], steps: int, batches: Sequence[Batch]) -> list[PrecisionName]:
     if isinstance(precisions, str):
         raise ConfigError(f"precisions must be a list of modes such as ('bf16', 'fp16'), not {precisions!r}.")
     if not precisions:
         raise ConfigError("precisions is empty; give at least one of 'bf16' or 'fp16'.")
-    for p in precisions:
-        if p not in PRECISIONS:
-            raise UnsupportedPrecision(f"unknown precision {p!r} to check; use 'bf16' and/or 'fp16'.")
+    checked = [_checked_precision(p) for p in precisions]
     if len(set(precisions)) != len(precisions):
         raise ConfigError(f"precisions {list(precisions)} name a mode twice; name each once.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"steps must be a positive number of training steps, got {steps!r}.")
     if len(batches) == 0:
         raise ConfigError("batches is empty; give at least one batch to train on.")
+    return checked
+
+
+def _checked_precision(precision: str) -> PrecisionName:
+    try:
+        return cast(PrecisionName, normalize_precision(precision))
+    except ConfigError as exc:
+        raise UnsupportedPrecision(str(exc)) from None
 
 
 def _median_ratio(a: list[float | None], b: list[float | None]) -> float | None:
@@ -86,6 +94,115 @@ def _drift(params: torch.Tensor, ref: torch.Tensor, start: torch.Tensor) -> floa
     moved = float((ref - start).norm())
     value = float((params - ref).norm()) / moved if moved > 0 else None
     return finite(value)
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every run of one check shares besides the :class:`CheckRunner`'s inputs."""
+
+    steps: int
+    seed: int
+    thresholds: Thresholds
+    order: list[int]
+    """Batch indices of the reference run and of every precision run."""
+    shuffled: list[int]
+    """The noise run's batch indices: the same batches in another order."""
+    eval_batches: Sequence[Batch]
+    blocks: dict[str, str] | None
+    micro_batches: int
+    levers: list[str]
+
+
+def _setup(
+    batches: Sequence[Batch],
+    steps: int,
+    seed: int,
+    plan: Plan | None,
+    eval_batches: Sequence[Batch] | None,
+    thresholds: Thresholds | None,
+    levers: Sequence[str] | None,
+) -> _Setup:
+    n = len(batches)
+    order = [i % n for i in range(steps)]
+    shuffled = [order[i] for i in torch.randperm(steps, generator=torch.Generator().manual_seed(seed + 1))]
+    if eval_batches is None:
+        eval_batches = [batches[i] for i in sorted({round(k * (n - 1) / 3) for k in range(4)})]
+    if len(eval_batches) == 0:
+        raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
+    return _Setup(
+        steps=steps,
+        seed=seed,
+        thresholds=thresholds or Thresholds(),
+        order=order,
+        shuffled=shuffled,
+        eval_batches=eval_batches,
+        blocks=dict(plan.blocks) if plan else None,
+        micro_batches=plan.micro_batches if plan else 1,
+        levers=normalize_levers(list(plan.levers) if plan and levers is None else levers),
+    )
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """The fp32 reference run, the noise run and the band they make."""
+
+    ref: RunResult
+    noise: RunResult
+    band: float
+
+
+def _reference(checker: CheckRunner, s: _Setup) -> _Reference:
+    ref = checker.run("fp32", "fp32", s.order, s.seed, s.eval_batches)
+    if None in ref.curve.losses or ref.curve.eval_loss is None:
+        raise ConfigError(
+            f"the fp32 reference run itself produced a non-finite loss at step {len(ref.curve.losses)}; "
+            "fix the model, data or learning rate in fp32 before checking mixed precision."
+        )
+    noise = checker.run("fp32 (noise)", "fp32", s.shuffled, s.seed + 1, s.eval_batches)
+    floor = s.thresholds.band_floor * abs(ref.curve.eval_loss)
+    noise_delta = (
+        abs(noise.curve.eval_loss - ref.curve.eval_loss) if noise.curve.eval_loss is not None else math.inf
+    )
+    return _Reference(ref, noise, max(noise_delta, floor))
+
+
+def _check_precision(
+    checker: CheckRunner, s: _Setup, r: _Reference, precision: PrecisionName, start: torch.Tensor
+) -> PrecisionCheck:
+    """Run ``precision`` and judge it against fp32 (an fp32 twin skipping its skipped steps)."""
+    p = precision
+    run = checker.run(p, p, s.order, s.seed, s.eval_batches, s.blocks, s.micro_batches, levers=s.levers)
+    skipped = frozenset(i for i, k in enumerate(run.curve.skipped, start=1) if k)
+    base, twin = r.ref, None
+    if skipped and len(skipped) <= s.thresholds.fail_skip_fraction * s.steps:
+        # Note [judging against an fp32 run with the same skips]
+        # A skipped step is the loss scaler working, not an arithmetic error, but early in
+        # training one lost update can move the loss far (loss spikes). So the numbers
+        # compare with an fp32 run that skips the same steps; the skips themselves are
+        # judged by their own thresholds.
+        checker.bar.total += s.steps
+        label = f"fp32 (skipping {p}'s skipped steps)"
+        twin = checker.run(label, "fp32", s.order, s.seed, s.eval_batches, skip=skipped)
+        base = twin
+    assert base.curve.eval_loss is not None
+    delta = abs(run.curve.eval_loss - base.curve.eval_loss) if run.curve.eval_loss is not None else None
+    pc = PrecisionCheck(
+        precision=p,
+        verdict="",
+        reasons=[],
+        run=run.curve,
+        loss_delta=delta,
+        band_multiple=finite(delta / r.band) if delta is not None and r.band > 0 else None,
+        grad_norm_ratio=_median_ratio(run.curve.grad_norms, base.curve.grad_norms),
+        param_drift=_drift(run.params, base.params, start),
+        skipped_steps=len(skipped),
+        final_scale=run.final_scale,
+        first_nonfinite=run.first_nonfinite,
+        modules=run.modules,
+        reference_run=twin.curve if twin is not None else None,
+    )
+    pc.verdict, pc.reasons = judge(pc, s.thresholds)
+    return pc
 
 
 def check_stability(
@@ -136,91 +253,32 @@ def check_stability(
         ConfigError: no steps, no batches, or a ``model_fn`` whose models differ.
         LeverRefused: a lever cannot run on this device, optimizer or precision.
     """
-    _validate(precisions, steps, batches)
+    checked = _validate(precisions, steps, batches)
     facts = device_facts(device)
     dev = torch.device(facts.name)
-    for p in precisions:
+    for p in checked:
         Precision(p, device=dev)  # raises early when the device cannot run it
-    thresholds = thresholds or Thresholds()
-    n = len(batches)
-    order = [i % n for i in range(steps)]
-    shuffled = [order[i] for i in torch.randperm(steps, generator=torch.Generator().manual_seed(seed + 1))]
-    if eval_batches is None:
-        eval_batches = [batches[i] for i in sorted({round(k * (n - 1) / 3) for k in range(4)})]
-    if len(eval_batches) == 0:
-        raise ConfigError("eval_batches is empty; give at least one batch or leave it out.")
-    blocks = dict(plan.blocks) if plan else None
-    micro = plan.micro_batches if plan else 1
-    used = normalize_levers(list(plan.levers) if plan and levers is None else levers)
-    with tqdm(total=steps * (len(precisions) + 2), desc="memfit check", disable=not progress) as bar:
+    s = _setup(batches, steps, seed, plan, eval_batches, thresholds, levers)
+    with tqdm(total=steps * (len(checked) + 2), desc="memfit check", disable=not progress) as bar:
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
         first = checker.build()
         if plan is not None:
             check_plan_fits(first, plan)
         start = flat_params(first)
-        ref = checker.run("fp32", "fp32", order, seed, eval_batches)
-        if None in ref.curve.losses or ref.curve.eval_loss is None:
-            raise ConfigError(
-                f"the fp32 reference run itself produced a non-finite loss at step {len(ref.curve.losses)}; "
-                "fix the model, data or learning rate in fp32 before checking mixed precision."
-            )
-        noise = checker.run("fp32 (noise)", "fp32", shuffled, seed + 1, eval_batches)
-        assert ref.curve.eval_loss is not None
-        floor = thresholds.band_floor * abs(ref.curve.eval_loss)
-        noise_delta = (
-            abs(noise.curve.eval_loss - ref.curve.eval_loss)
-            if noise.curve.eval_loss is not None
-            else math.inf
-        )
-        band = max(noise_delta, floor)
-        results = {}
-        for p in precisions:
-            run = checker.run(p, p, order, seed, eval_batches, blocks, micro, levers=used)
-            skipped = frozenset(i for i, s in enumerate(run.curve.skipped, start=1) if s)
-            base, twin = ref, None
-            if skipped and len(skipped) <= thresholds.fail_skip_fraction * steps:
-                # NOTE: a skipped step is the loss scaler working, not an arithmetic error, but
-                # early in training one lost update can move the loss far (loss spikes). So
-                # the numbers compare with an fp32 run that skips the same steps; the skips
-                # themselves are judged by their own thresholds.
-                bar.total += steps
-                twin = checker.run(
-                    f"fp32 (skipping {p}'s skipped steps)", "fp32", order, seed, eval_batches, skip=skipped
-                )
-                base = twin
-            assert base.curve.eval_loss is not None
-            delta = (
-                abs(run.curve.eval_loss - base.curve.eval_loss) if run.curve.eval_loss is not None else None
-            )
-            pc = PrecisionCheck(
-                precision=p,
-                verdict="",
-                reasons=[],
-                run=run.curve,
-                loss_delta=delta,
-                band_multiple=finite(delta / band) if delta is not None and band > 0 else None,
-                grad_norm_ratio=_median_ratio(run.curve.grad_norms, base.curve.grad_norms),
-                param_drift=_drift(run.params, base.params, start),
-                skipped_steps=len(skipped),
-                final_scale=run.final_scale,
-                first_nonfinite=run.first_nonfinite,
-                modules=run.modules,
-                reference_run=twin.curve if twin is not None else None,
-            )
-            pc.verdict, pc.reasons = judge(pc, thresholds)
-            results[p] = pc
+        r = _reference(checker, s)
+        results: dict[str, PrecisionCheck] = {p: _check_precision(checker, s, r, p, start) for p in checked}
     return StabilityReport(
         verdict=worst([pc.verdict for pc in results.values()]),
         by_precision=results,
-        reference=ref.curve,
-        noise=noise.curve,
-        noise_band=band,
-        noise_param_drift=_drift(noise.params, ref.params, start),
+        reference=r.ref.curve,
+        noise=r.noise.curve,
+        noise_band=r.band,
+        noise_param_drift=_drift(r.noise.params, r.ref.params, start),
         steps=steps,
         device=facts.name,
-        hardware=hardware_facts(facts, precisions),
-        thresholds=thresholds.to_dict(),
-        checkpointing=blocks or {},
-        micro_batches=micro,
-        levers=used,
+        hardware=hardware_facts(facts, checked),
+        thresholds=s.thresholds.to_dict(),
+        checkpointing=s.blocks or {},
+        micro_batches=s.micro_batches,
+        levers=s.levers,
     )

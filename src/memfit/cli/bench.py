@@ -11,6 +11,7 @@ import argparse
 import copy
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +31,16 @@ from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.devices import device_facts, resolve_device
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
+from memfit.records import BenchPoint
 
 HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
 
 __all__ = ["HELP", "add_arguments", "check", "run"]
 
-# NOTE: the bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a
-# modest default batch keeps a default run to a couple of minutes. Ratios between
-# strategies change little with the batch; a batch set in the config or by --set is used.
+# Note [the bench's default batch]
+# The bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a modest
+# default batch keeps a default run to a couple of minutes. Ratios between strategies
+# change little with the batch; a batch set in the config or by --set is used.
 _DEFAULT_BATCH = 4
 
 
@@ -149,24 +152,8 @@ def check(args: argparse.Namespace) -> None:
     _configured_batch(args)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Build the model, bench the strategies, print the table and write the files."""
-    if args.list:
-        for s in builtin_strategies():
-            print(s.name)
-        return 0
-    names = _names(args)
-    plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
-    cfg = config_from_args(args)
-    out = Path(args.out or cfg.train.out)
-    device = _device(cfg)
-    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
-    if threads:
-        torch.set_num_threads(threads)
-    torch.manual_seed(cfg.train.seed)
-    spec = build_model(cfg.model)
-    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else _DEFAULT_BATCH)
-    batch = _batch(cfg, spec, batch_size)
+def _optimizer_fn(cfg: Config) -> Callable[[Any], torch.optim.Optimizer]:
+    """AdamW with the config's settings."""
     o = cfg.optimizer
 
     def optimizer_fn(params: Any) -> torch.optim.Optimizer:
@@ -174,46 +161,47 @@ def run(args: argparse.Namespace) -> int:
             params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
         )
 
-    strategies: list[Any] | None = names
-    if plan_budgets:
-        # NOTE: the planner runs on its own copy on the bench's device; its points then run
-        # side by side with the built-in strategies, interleaved like them.
-        planned = copy.deepcopy(spec.model).to(device)
-        plan_batch = batch_to(batch, device)
-        extra = planner_strategies(
-            planned,
-            plan_batch,
-            spec.loss_fn,
-            optimizer_fn(planned.parameters()),
-            plan_budgets,
-            cfg.memory.precision,
-        )
-        skipped = [b for b in plan_budgets if f"plan@{b}" not in {s.name for s in extra}]
-        for b in skipped:
-            print(f"memfit bench: no plan fits {b}; no plan@{b} point.", file=sys.stderr)
-        del planned
-        strategies = [*(names or [s.name for s in builtin_strategies()]), *extra]
-    points = bench(
-        spec.model,
-        batch,
+    return optimizer_fn
+
+
+def _with_plans(
+    names: list[str] | None,
+    plan_budgets: list[str],
+    spec: Any,
+    batch: Any,
+    device: torch.device,
+    cfg: Config,
+) -> list[Any] | None:
+    """The strategies to bench: ``names`` plus the planner's plan at each budget (``--plan``)."""
+    if not plan_budgets:
+        return names
+    # the planner runs on its own copy on the bench's device; its points then run side by
+    # side with the built-in strategies, interleaved like them
+    planned = copy.deepcopy(spec.model).to(device)
+    extra = planner_strategies(
+        planned,
+        batch_to(batch, device),
         spec.loss_fn,
-        optimizer_fn,
-        strategies=strategies,
-        steps=args.steps,
-        slow_steps=args.slow_steps,
-        device=device,
-        seed=cfg.train.seed,
-        progress=sys.stderr.isatty(),
+        _optimizer_fn(cfg)(planned.parameters()),
+        plan_budgets,
+        cfg.memory.precision,
     )
-    budget = None
-    if args.budget is not None:
-        base = next((p for p in points if p.ok and p.strategy == p.baseline), None)
-        budget = Budget.parse(args.budget, "--budget").resolve(base.peak_bytes if base else None, "--budget")
-    params = sum(p.numel() for p in spec.model.parameters())
-    print(
-        f"memfit bench on {device}: {params:,} parameters, batch {batch_size}, {args.steps} timed "
-        f"steps each ({args.slow_steps} for precisions this device emulates)"
-    )
+    for b in [b for b in plan_budgets if f"plan@{b}" not in {s.name for s in extra}]:
+        print(f"memfit bench: no plan fits {b}; no plan@{b} point.", file=sys.stderr)
+    del planned
+    return [*(names or [s.name for s in builtin_strategies()]), *extra]
+
+
+def _budget(args: argparse.Namespace, points: list[BenchPoint]) -> int | None:
+    """``--budget`` in bytes (a percentage of the baseline's peak), or None."""
+    if args.budget is None:
+        return None
+    base = next((p for p in points if p.ok and p.strategy == p.baseline), None)
+    return Budget.parse(args.budget, "--budget").resolve(base.peak_bytes if base else None, "--budget")
+
+
+def _print_points(points: list[BenchPoint], budget: int | None, heading: str) -> None:
+    print(heading)
     print(bench_table(points))
     failed = failed_lines(points)
     if failed:
@@ -221,9 +209,17 @@ def run(args: argparse.Namespace) -> int:
         for line in failed:
             print(f"  {line}")
     print("\n" + recommendation(points, budget))
+
+
+def _write(
+    args: argparse.Namespace, points: list[BenchPoint], budget: int | None, device: torch.device, model: str
+) -> None:
+    """bench.md, bench.json, bench.csv and bench.png in ``--out``, with what made them."""
+    cfg = config_from_args(args)
+    out = Path(args.out or cfg.train.out)
     meta = default_meta(str(device), _command(args), device_facts(device).description)
     meta["torch"] = torch.__version__
-    meta["model"] = f"{cfg.model.name} ({params:,} parameters), batch {batch_size}"
+    meta["model"] = model
     meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
     meta["torch threads"] = torch.get_num_threads()
     try:
@@ -234,4 +230,42 @@ def run(args: argparse.Namespace) -> int:
             "the table is printed above."
         ) from None
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the model, bench the strategies, print the table and write the files."""
+    if args.list:
+        for s in builtin_strategies():
+            print(s.name)
+        return 0
+    cfg = config_from_args(args)
+    device = _device(cfg)
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    if threads:
+        torch.set_num_threads(threads)
+    torch.manual_seed(cfg.train.seed)
+    spec = build_model(cfg.model)
+    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else _DEFAULT_BATCH)
+    batch = _batch(cfg, spec, batch_size)
+    plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
+    points = bench(
+        spec.model,
+        batch,
+        spec.loss_fn,
+        _optimizer_fn(cfg),
+        strategies=_with_plans(_names(args), plan_budgets, spec, batch, device, cfg),
+        steps=args.steps,
+        slow_steps=args.slow_steps,
+        device=device,
+        seed=cfg.train.seed,
+        progress=sys.stderr.isatty(),
+    )
+    budget = _budget(args, points)
+    params = sum(p.numel() for p in spec.model.parameters())
+    heading = (
+        f"memfit bench on {device}: {params:,} parameters, batch {batch_size}, {args.steps} timed "
+        f"steps each ({args.slow_steps} for precisions this device emulates)"
+    )
+    _print_points(points, budget, heading)
+    _write(args, points, budget, device, f"{cfg.model.name} ({params:,} parameters), batch {batch_size}")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import cast
 
 import torch
 
@@ -15,14 +16,14 @@ from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
 from memfit.cli.common import add_config_arguments, config_from_args
 from memfit.devices import resolve_device
-from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.errors import ConfigError
 from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_dir
 from memfit.reading import read_bounded
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
-from memfit.vocab import PRECISIONS
+from memfit.vocab import PrecisionName, normalize_precision
 
 #: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
 MAX_PLAN_BYTES = 64 * 2**20
@@ -75,7 +76,7 @@ def _read_plan(path: str) -> Plan:
 def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
     if path is not None:
         plan = _read_plan(path)
-        check_plan_fits(model, plan)  # NOTE: a plan for another model is refused before any training
+        check_plan_fits(model, plan)  # a plan for another model is refused before any training
         return plan
     mode = cfg.memory.checkpointing
     if mode == "none":
@@ -119,14 +120,11 @@ def _summary(report: StabilityReport) -> str:
     return "\n".join(lines)
 
 
-def _precisions(text: str) -> list[str]:
+def _precisions(text: str) -> list[PrecisionName]:
     precisions = [p.strip() for p in text.split(",") if p.strip()]
     if not precisions:
         raise ConfigError("--precisions is empty; give bf16, fp16 or both, e.g. --precisions bf16,fp16.")
-    bad = [p for p in precisions if p not in PRECISIONS]
-    if bad:
-        raise UnsupportedPrecision(f"unknown precision {bad[0]!r} to check; use 'bf16' and/or 'fp16'.")
-    return precisions
+    return [cast(PrecisionName, normalize_precision(p)) for p in precisions]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -183,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         paths = write_check_report(report, args.out or cfg.train.out)
     except OSError as exc:
-        print(report.to_json())  # NOTE: the work is not lost: the report goes to stdout
+        print(report.to_json())  # See Note [the work is not lost]
         raise ConfigError(
             f"cannot write the check report to {str(args.out or cfg.train.out)!r} ({exc.strerror or exc}); "
             "the report is printed above."

@@ -8,6 +8,11 @@ from memfit.app.config import Config, load_config
 
 __all__ = ["add_config_arguments", "config_from_args"]
 
+# Note [the work is not lost]
+# A command that cannot write its output file (a full disk, a directory it may not write)
+# has already spent minutes measuring: it prints what it made to stdout first, then fails
+# with one sentence (exit 2), so nothing already computed is lost.
+
 
 def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool = False) -> None:
     """Add ``CONFIG`` (a TOML file) and ``--set section.key=value`` (repeatable)."""

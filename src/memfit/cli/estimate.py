@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         levers=bool(args.levers),
     )
     if args.levers:
-        # NOTE: offload is left out: its bytes are not in the step model (and a CPU refuses it).
+        # offload is left out: its bytes are not in the step model (and a CPU refuses it)
         allowed, _ = allowed_levers(
             [n for n in normalize_levers(args.levers) if n != "offload"],
             device="cpu",

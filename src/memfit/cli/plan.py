@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         write_text(args.out, marked_json("plan", result.to_dict()), "the plan")
     except ConfigError as exc:
-        print(marked_json("plan", result.to_dict()), end="")  # NOTE: the work is not lost: it goes to stdout
+        print(marked_json("plan", result.to_dict()), end="")  # See Note [the work is not lost]
         raise ConfigError(f"{str(exc).rstrip('.')}; the plan is printed above.") from None
     if args.json:
         print(result.to_json())

@@ -68,9 +68,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             write_text(args.out, marked_json("profile", prof.to_dict()), "the profile")
         except ConfigError as exc:
-            print(
-                marked_json("profile", prof.to_dict()), end=""
-            )  # NOTE: the work is not lost: it goes to stdout
+            print(marked_json("profile", prof.to_dict()), end="")  # See Note [the work is not lost]
             raise ConfigError(f"{str(exc).rstrip('.')}; the profile is printed above.") from None
     if args.json:
         print(prof.to_json())

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _normalize(args: argparse.Namespace) -> None:
     if args.config is None and args.resume and args.resume.endswith(".toml"):
-        # NOTE: `memfit train --resume CONFIG.toml`: argparse gives the config to --resume.
+        # `memfit train --resume CONFIG.toml`: argparse gives the config to --resume.
         args.config, args.resume = args.resume, "auto"
 
 
@@ -86,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
     if code and result.trainer.dist.is_main:
         print(_resume_line(args, result), file=sys.stderr)
     if result.trainer.dist.active and "TORCHELASTIC_RUN_ID" in os.environ:
-        end_worker_process(code)  # a torchrun worker: see its NOTE
+        end_worker_process(code)  # a torchrun worker: see end_worker_process on why it exits early
     return code

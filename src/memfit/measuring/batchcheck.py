@@ -82,7 +82,7 @@ def batch_errors(model: nn.Module, batch: Batch) -> Iterator[None]:
         raise
     except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
         if is_out_of_memory(exc):
-            raise  # NOTE: running out of memory is not the batch's fault; callers re-plan or say so
+            raise  # running out of memory is not the batch's fault; callers re-plan or say so
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             f"one training step of {type(model).__name__} on the batch ({describe_batch(batch)}) "

@@ -46,6 +46,7 @@ from memfit.checkpointing import set_block_modes
 from memfit.devices import model_device
 from memfit.records import Profile
 from memfit.stepmodel import forward_work, selective_work
+from memfit.vocab import CheckpointMode
 
 __all__ = [
     "BlockInputs",
@@ -123,7 +124,7 @@ def time_block_modes(
     model: nn.Module,
     name: str,
     seen: BlockInputs,
-    modes: Sequence[str],
+    modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, list[float]]:
@@ -170,7 +171,7 @@ def block_extras(
     model: nn.Module,
     name: str,
     seen: BlockInputs,
-    modes: Sequence[str],
+    modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> tuple[dict[str, list[float]], str]:
@@ -178,7 +179,7 @@ def block_extras(
     no times and why the block cannot run alone."""
     try:
         return extras_over_none(time_block_modes(model, name, seen, modes, rounds, autocast)), ""
-    except Exception as exc:  # NOTE: whatever stops one block running alone, the step still runs
+    except Exception as exc:  # whatever stops one block running alone, the step still runs
         return {}, f"{type(exc).__name__}: {exc}"
 
 
@@ -199,8 +200,9 @@ def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> N
         extra = statistics.median(extras["full"]) - sp.checkpoint_seconds
         modelled = sp.forward_scale * forward_work(prof, block)
         if modelled > 0 and extra > 0:
-            # NOTE: a recompute is the same forward again: a fit outside a quarter to four
-            # times it is a disturbed timing, not the model, so it is clamped there.
+            # Note [recompute scale clamped]
+            # A recompute is the same forward again: a fit outside a quarter to four times
+            # it is a disturbed timing, not the model, so it is clamped there.
             sp.recompute_scale = min(4.0, max(0.25, extra / modelled))
             sp.full_steps = len(extras["full"])
     if extras.get("selective") and block.forward_ops:

@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,14 +42,9 @@ from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.devices import model_device
 from memfit.errors import ConfigError
-from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.levers import attach_lever_facts
-from memfit.measuring.phases import (
-    StepMemory,
-    optimizer_state_bytes,
-    phased_step,
-)
+from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
 from memfit.measuring.twin import twin_precision
@@ -56,16 +52,25 @@ from memfit.precision import Precision
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
 from memfit.stepmodel import simulate
-from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
+from memfit.vocab import (
+    CHECKPOINT_MODES,
+    PRECISIONS,
+    CheckpointMode,
+    PrecisionName,
+    normalize_mode,
+    normalize_precision,
+)
 
 __all__ = ["estimate"]
 
 
-def _fake_precision(mode: str, device: torch.device) -> Precision:
-    return twin_precision(Precision(mode, device=device))
+def _fake_precision(precision: PrecisionName, device: torch.device) -> Precision:
+    return twin_precision(Precision(precision, device=device))
 
 
-def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -> EstimateEntry:
+def _entry(
+    precision: PrecisionName, mode: CheckpointMode, mem: StepMemory, opt: StepMemory | None
+) -> EstimateEntry:
     peak, parts = mem.peak, dict(mem.breakdown)
     if opt is not None and "optimizer" in opt.phase_peaks:
         # the optimizer phase of this step: its own backward end plus the shared temporaries
@@ -82,14 +87,134 @@ def _entry(precision: str, mode: str, mem: StepMemory, opt: StepMemory | None) -
     )
 
 
+@dataclass
+class _Fake:
+    """The model, optimizer and batch built under one ``FakeTensorMode``, and what the
+    estimate found about them."""
+
+    mode: FakeTensorMode
+    model: nn.Module
+    optimizer: torch.optim.Optimizer | None
+    batch: Batch
+    """The real batch copied to fake tensors."""
+    blocks: list[str]
+    device: torch.device
+    fast: bool = False
+    """The blocks are identical and residual: two ran, the rest passed their input through."""
+
+
+def _checked_names(
+    precisions: Iterable[str], modes: Iterable[str]
+) -> tuple[list[PrecisionName], list[CheckpointMode]]:
+    checked = [cast(PrecisionName, normalize_precision(p)) for p in precisions]
+    checked_modes = [normalize_mode(m) for m in modes]
+    if not checked or not checked_modes:
+        raise ConfigError(
+            f"cannot estimate nothing; precisions are {', '.join(PRECISIONS)} and "
+            f"modes are {', '.join(CHECKPOINT_MODES)}."
+        )
+    return checked, checked_modes
+
+
+def _build(
+    model_fn: Callable[[], nn.Module],
+    optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None,
+    batch: Batch,
+) -> _Fake:
+    fake = FakeTensorMode(allow_non_fake_inputs=False)
+    with fake:
+        model = model_fn()
+        if not isinstance(model, nn.Module):
+            raise ConfigError(f"model_fn returned {type(model).__name__}; it must return an nn.Module.")
+        optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None
+    fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
+    return _Fake(fake, model, optimizer, fake_batch, find_blocks(model), model_device(model))
+
+
+def _fast(f: _Fake, batch: Batch, loss_fn: LossFn) -> bool:
+    """Whether the blocks are identical and keep their input's shape (checked on ``batch``)."""
+    with batch_errors(f.model, batch):
+        return (
+            len(f.blocks) > 2
+            and identical(f.model, f.blocks)
+            and outputs_keep_shape(f.model, f.blocks[-1], f.batch, loss_fn)
+        )
+
+
+def _fast_estimate(
+    f: _Fake, loss_fn: LossFn, precisions: list[PrecisionName], modes: list[CheckpointMode]
+) -> tuple[dict[str, Profile], list[EstimateEntry]]:
+    """Profiles from steps that run two of the identical blocks; entries from the step model."""
+    profiles = fast_profiles(
+        f.model,
+        f.batch,
+        loss_fn,
+        f.optimizer,
+        f.blocks,
+        precisions,
+        modes,
+        lambda p: _fake_precision(p, f.device),
+    )
+    entries = []
+    for precision in precisions:
+        prof = profiles[precision]
+        for mode in modes:
+            sim = simulate(prof, mode)
+            acts = prof.outside.saved_bytes[mode] + sum(b.saved_bytes[mode] for b in prof.blocks)
+            entries.append(EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, acts))
+    return profiles, entries
+
+
+def _profiles_and_entries(
+    f: _Fake,
+    batch: Batch,
+    loss_fn: LossFn,
+    precisions: list[PrecisionName],
+    modes: list[CheckpointMode],
+) -> tuple[dict[str, Profile], list[EstimateEntry]]:
+    """Every entry, in the order of ``precisions``, and one profile per precision."""
+    # Note [fp16 is bf16's memory]
+    # fp16 and bf16 have the same element size and autocast casts the same ops to either,
+    # so their memory is the same (loss scaling aside): fp16 is not run again.
+    derived = "fp16" in precisions and "bf16" in precisions
+    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
+    entries: list[EstimateEntry] = []
+    with f.mode:
+        f.model.train()
+        create_optimizer_state(f.model, f.optimizer)
+        f.fast = _fast(f, batch, loss_fn)
+        if f.fast:
+            profiles, entries = _fast_estimate(f, loss_fn, run_precisions, modes)
+        else:
+            profiles = _direct(
+                f.model, f.batch, loss_fn, f.optimizer, f.blocks, run_precisions, modes, f.device, entries
+            )
+        if derived:
+            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
+            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
+        rank = {p: i for i, p in enumerate(precisions)}
+        entries.sort(key=lambda e: rank[cast(PrecisionName, e.precision)])
+    return profiles, entries
+
+
+def _finish_profiles(f: _Fake, profiles: dict[str, Profile], levers: bool) -> None:
+    """The optimizer's facts (and, with ``levers``, the levers') on every profile."""
+    by_dtype = optimizer_state_bytes(f.optimizer)
+    for prof in profiles.values() if levers else []:
+        attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
+    for prof in profiles.values():
+        prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
+        prof.optimizer_bytes_by_dtype = dict(by_dtype)
+
+
 def estimate(
     model_fn: Callable[[], nn.Module],
     batch: Batch,
     loss_fn: LossFn,
     optimizer_fn: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer] | None = None,
     device_memory: int | str | None = None,
-    precisions: Iterable[str] = PRECISIONS,
-    modes: Iterable[str] = CHECKPOINT_MODES,
+    precisions: Iterable[PrecisionName | str] = PRECISIONS,
+    modes: Iterable[CheckpointMode | str] = CHECKPOINT_MODES,
     levers: bool = False,
 ) -> Estimate:
     """Predict the peak bytes of one steady-state training step per precision and mode.
@@ -117,80 +242,22 @@ def estimate(
     """
     started = time.perf_counter()
     memory = None if device_memory is None else parse_bytes(device_memory, what="device memory")
-    precisions, modes = list(precisions), list(modes)
-    bad = [p for p in precisions if p not in PRECISIONS] + [m for m in modes if m not in CHECKPOINT_MODES]
-    if bad or not precisions or not modes:
-        raise ConfigError(
-            f"cannot estimate {bad or 'nothing'}; precisions are {', '.join(PRECISIONS)} and "
-            f"modes are {', '.join(CHECKPOINT_MODES)}."
-        )
-    fake = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake:
-        model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model_fn returned {type(model).__name__}; it must return an nn.Module.")
-        optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None
-    fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
-    device = model_device(model)
-    blocks = find_blocks(model)
-    if not blocks:
-        modes = ["none"]
-    # NOTE: fp16 and bf16 have the same element size and autocast casts the same ops to
-    # either, so their memory is the same (loss scaling aside): fp16 is not run again.
-    derived = "fp16" in precisions and "bf16" in precisions
-    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
-    entries: list[EstimateEntry] = []
-    with fake:
-        model.train()
-        create_optimizer_state(model, optimizer)
-        with batch_errors(model, batch):
-            fast = (
-                len(blocks) > 2
-                and identical(model, blocks)
-                and outputs_keep_shape(model, blocks[-1], fake_batch, loss_fn)
-            )
-        if fast:
-            profiles = fast_profiles(
-                model,
-                fake_batch,
-                loss_fn,
-                optimizer,
-                blocks,
-                run_precisions,
-                modes,
-                lambda p: _fake_precision(p, device),
-            )
-            for precision in run_precisions:
-                for mode in modes:
-                    sim = simulate(profiles[precision], mode)
-                    acts = profiles[precision].outside.saved_bytes[mode] + sum(
-                        b.saved_bytes[mode] for b in profiles[precision].blocks
-                    )
-                    entries.append(EstimateEntry(precision, mode, sim.peak_bytes, sim.breakdown, acts))
-        else:
-            profiles = _direct(
-                model, fake_batch, loss_fn, optimizer, blocks, run_precisions, modes, device, entries
-            )
-        if derived:
-            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
-            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
-        rank = {p: i for i, p in enumerate(precisions)}
-        entries.sort(key=lambda e: rank[e.precision])
-    by_dtype = optimizer_state_bytes(optimizer)
-    for prof in profiles.values() if levers else []:
-        attach_lever_facts(prof, model, optimizer, blocks)
-    for prof in profiles.values():
-        prof.optimizer = type(optimizer).__name__ if optimizer is not None else "none"
-        prof.optimizer_bytes_by_dtype = dict(by_dtype)
+    checked, checked_modes = _checked_names(precisions, modes)
+    f = _build(model_fn, optimizer_fn, batch)
+    profiles, entries = _profiles_and_entries(
+        f, batch, loss_fn, checked, checked_modes if f.blocks else ["none"]
+    )
+    _finish_profiles(f, profiles, levers)
+    derived = "fp16" in checked and "bf16" in checked
     return Estimate(
-        model=type(model).__name__,
-        param_count=sum(p.numel() for p in model.parameters()),
+        model=type(f.model).__name__,
+        param_count=sum(p.numel() for p in f.model.parameters()),
         batch_size=batch_size(batch),
-        device=f"{device} (fake tensors)",
-        optimizer=type(optimizer).__name__ if optimizer is not None else "none",
+        device=f"{f.device} (fake tensors)",
+        optimizer=type(f.optimizer).__name__ if f.optimizer is not None else "none",
         entries=entries,
         device_memory=memory,
-        assumptions=_assumptions(device, optimizer, blocks, fast, derived),
+        assumptions=_assumptions(f.device, f.optimizer, f.blocks, f.fast, derived),
         profiles=profiles,
         seconds=time.perf_counter() - started,
     )
@@ -202,17 +269,17 @@ def _direct(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     blocks: list[str],
-    precisions: list[str],
-    modes: list[str],
+    precisions: list[PrecisionName],
+    modes: list[CheckpointMode],
     device: torch.device,
     entries: list[EstimateEntry],
 ) -> dict[str, Profile]:
     """One full fake step per precision and mode (blocks that differ, or few blocks)."""
-    profiles = {}
+    profiles: dict[str, Profile] = {}
     opt_phase: StepMemory | None = None
     for precision in precisions:
         prec = _fake_precision(precision, device)
-        per_mode: dict[str, StepMemory] = {}
+        per_mode: dict[CheckpointMode, StepMemory] = {}
         for mode in modes:
             if blocks:
                 set_block_modes(model, {b: mode for b in blocks})

@@ -86,8 +86,8 @@ def step_temp_per_element(
     holder = nn.Module()
     holder.p = nn.Parameter(torch.zeros(numel, dtype=_DTYPES[weights]))
     opt = _probe_optimizer(optimizer, holder.p, kind, weights)
-    # NOTE: eager as under every memfit tracker (torchao compiles its step otherwise; the
-    # compile would cost more than the measurement and cannot be tracked).
+    # See Note [compiled code runs eagerly when tracked]; here the compile would also cost
+    # more than the measurement.
     with eager():
         holder.p.grad = torch.randn_like(holder.p) * 1e-3
         opt.step()  # creates the state

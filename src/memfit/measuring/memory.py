@@ -24,13 +24,15 @@ import time
 import torch
 from torch import nn
 
+from memfit.devices import model_device
 from memfit.measuring.preserve import preserved
-from memfit.measuring.tracker import MemoryWatch, device_of
+from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
 from memfit.records import MemoryReport
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import PrecisionChoice
 
-__all__ = ["MemoryWatch", "measure", "tracked_step"]
+__all__ = ["measure", "tracked_step"]
 
 
 def tracked_step(
@@ -66,7 +68,7 @@ def measure(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
     steps: int = 3,
     micro_batches: int = 1,
 ) -> MemoryReport:
@@ -91,7 +93,7 @@ def measure(
     """
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}.")
-    device = device_of(model)
+    device = model_device(model)
     prec = as_precision(precision, device=device)
     scaler_state = prec.scaler.state_dict()
     with preserved(model, optimizer):

@@ -1,11 +1,14 @@
-"""One training step's memory split into phases and blocks, from PyTorch's MemTracker.
+"""One training step's memory split into phases and blocks, from PyTorch's MemTracker, and
+the :class:`memfit.Profile` made of one such step per checkpointing mode.
 
 ``measure`` reports one peak; profiling and estimating need to know where in the step
 memory is held: how much each block keeps from its forward to its backward, the transient
 peak inside each block's forward and backward, the part of the step outside the blocks,
 and the optimizer step. :func:`phased_step` runs the same :func:`memfit.step.training_step`
 under a :class:`~torch.distributed._tools.mem_tracker.MemTracker` (real or fake tensors)
-and reads those numbers from its per-module snapshots.
+and reads those numbers from its per-module snapshots; :func:`profile_from_memory` turns one
+such step per mode (real tensors for :func:`memfit.profile`, fake ones for
+:func:`memfit.estimate`) into per-block numbers.
 
 Trade-off: the per-op bookkeeping costs time, so the tracker here replaces MemTracker's
 peak update (which visits every module ever seen, for every op: quadratic in model size)
@@ -24,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,19 +35,29 @@ import torch
 from torch import nn
 
 from memfit.checkpointing.compile import eager
-from memfit.measuring.flops import counts, flop_counter
+from memfit.devices import model_device
+from memfit.measuring.flops import Counts, counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,
+    OUTSIDE_BEFORE,
     BlockMemory,
     PhaseTracker,
     block_memory,
     breakdown_of,
-    device_of,
 )
 from memfit.precision import Precision
+from memfit.records import BlockStats, Profile
 from memfit.step import Batch, LossFn, training_step
+from memfit.vocab import CheckpointMode
 
-__all__ = ["BlockMemory", "StepMemory", "grad_bytes_of", "optimizer_state_bytes", "phased_step"]
+__all__ = [
+    "StepMemory",
+    "grad_bytes_of",
+    "optimizer_state_bytes",
+    "param_bytes",
+    "phased_step",
+    "profile_from_memory",
+]
 
 PHASES = ("forward", "backward", "optimizer")
 
@@ -141,30 +155,60 @@ def phased_step(
     Returns:
         A :class:`StepMemory`.
     """
-    flops: dict[str, dict[str, dict[Any, int]]] = {}
-    if count_flops:
-        # NOTE: FlopCounterMode does not only observe: it decomposes the ops it has no formula
-        # for (MoE routing, some activations), which changes what the step allocates (+15% on a
-        # small Mixtral). So the FLOPs come from a step of their own, not the tracked one.
-        counter = flop_counter()
-        with counter:
-            training_step(
-                model,
-                batch,
-                loss_fn,
-                None,
-                precision,
-                after_forward=lambda: flops.update(forward=counts(counter)),
-            )
-        flops["total"] = counts(counter)
-    device = device_of(model)
-    modules = {id(model.get_submodule(b)): b for b in blocks}
-    grads = {b: grad_bytes_of(model.get_submodule(b)) for b in blocks}
-    tracker = PhaseTracker(device, modules, grads)
+    flops = _count_flops(model, batch, loss_fn, precision) if count_flops else {}
+    tracker = PhaseTracker(
+        model_device(model),
+        {id(model.get_submodule(b)): b for b in blocks},
+        {b: grad_bytes_of(model.get_submodule(b)) for b in blocks},
+    )
     tracker.track_external(*([model] + ([optimizer] if optimizer is not None else [])))
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
+    marks = _tracked_step(tracker, model, batch, loss_fn, optimizer if step_optimizer else None, precision)
+    return _step_memory(tracker, model, blocks, marks, flops)
+
+
+def _count_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision) -> dict[str, Counts]:
+    """FlopCounterMode's counts at the forward's end and the step's, from an untracked step."""
+    # Note [FLOPs from a step of their own]
+    # FlopCounterMode does not only observe: it decomposes the ops it has no formula for
+    # (MoE routing, some activations), which changes what the step allocates (+15% on a
+    # small Mixtral). So the FLOPs come from a step of their own, not the tracked one.
+    flops: dict[str, Counts] = {}
+    counter = flop_counter()
+    with counter:
+        training_step(
+            model,
+            batch,
+            loss_fn,
+            None,
+            precision,
+            after_forward=lambda: flops.update(forward=counts(counter)),
+        )
+    flops["total"] = counts(counter)
+    return flops
+
+
+@dataclass(frozen=True)
+class _Marks:
+    """Tracker totals at the step's start and at the forward's and the backward's ends."""
+
+    start: int
+    start_parts: dict[str, int]
+    forward_end: int
+    backward_end: int
+
+
+def _tracked_step(
+    tracker: PhaseTracker,
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+) -> _Marks:
+    """Run the step under ``tracker``, entering each phase as the step reaches it."""
     marks: dict[str, int] = {}
 
     def _after_forward() -> None:
@@ -176,8 +220,7 @@ def phased_step(
         marks["backward_end"] = tracker.total()
         tracker.enter_phase("optimizer")
 
-    # NOTE: torch.compile (torchao's optimizer step) cannot run under the tracker's dispatch
-    # mode: compiled code runs eagerly while tracked (its temporaries an upper bound).
+    # See Note [compiled code runs eagerly when tracked] (memfit.measuring.tracker)
     with eager(), tracker:
         start, start_parts = tracker.total(), tracker.current_parts()
         tracker.enter_phase("forward")
@@ -185,18 +228,30 @@ def phased_step(
             model,
             batch,
             loss_fn,
-            optimizer if step_optimizer else None,
+            optimizer,
             precision,
             after_forward=_after_forward,
             after_backward=_after_backward,
         )
+    return _Marks(start, start_parts, marks.get("forward_end", start), marks.get("backward_end", start))
+
+
+def _step_memory(
+    tracker: PhaseTracker,
+    model: nn.Module,
+    blocks: list[str],
+    marks: _Marks,
+    flops: dict[str, Counts],
+) -> StepMemory:
+    """What the tracker read during the step, as a :class:`StepMemory`."""
     block_mem = [block_memory(tracker, b, model.get_submodule(b)) for b in blocks]
     peak_phase = max(tracker.phase_peak, key=lambda p: tracker.phase_peak[p])
+    saved = {b: tracker.saved_alive.get(b, 0) for b in blocks}
     return StepMemory(
-        start=start,
-        start_parts=start_parts,
-        forward_end=marks.get("forward_end", start),
-        backward_end=marks.get("backward_end", start),
+        start=marks.start,
+        start_parts=marks.start_parts,
+        forward_end=marks.forward_end,
+        backward_end=marks.backward_end,
         peak=tracker.phase_peak[peak_phase],
         breakdown=breakdown_of(tracker.phase_snap[peak_phase]),
         phase_peaks=dict(tracker.phase_peak),
@@ -212,9 +267,89 @@ def phased_step(
         forward_flops=flops.get("forward", {}),
         total_flops=flops.get("total", {}),
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
-        saved={b: tracker.saved_alive.get(b, 0) for b in blocks},
-        outside_before_kept=marks.get("forward_end", start)
-        - start
-        - sum(tracker.saved_alive.get(b, 0) for b in blocks)
+        saved=saved,
+        outside_before_kept=marks.forward_end
+        - marks.start
+        - sum(saved.values())
         - tracker.saved_alive.get(OUTSIDE_AFTER, 0),
     )
+
+
+def param_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def profile_from_memory(
+    model: nn.Module,
+    blocks: list[str],
+    memory: Mapping[CheckpointMode, StepMemory],
+    precision: str,
+    batch_size: int,
+    stand_in: Mapping[str, str] | None = None,
+) -> Profile:
+    """Turn one :class:`StepMemory` per mode into a :class:`Profile` (memory fields only).
+
+    A step may have run some blocks only (the others passed through); ``stand_in`` maps
+    each block that did not run to the one whose numbers it takes. Shared by
+    :func:`memfit.profile` (real tensors) and :func:`memfit.estimate` (fake tensors).
+    """
+    stand_in = dict(stand_in or {})
+    modes = list(memory)
+    base = memory["none"] if "none" in memory else memory[modes[0]]
+    stats = {
+        n: BlockStats(
+            n, param_bytes(model.get_submodule(n)), grad_bytes=grad_bytes_of(model.get_submodule(n))
+        )
+        for n in blocks
+    }
+    for mode in modes:
+        mem = memory[mode]
+        ran = [b.name for b in mem.blocks]
+        for i, b in enumerate(mem.blocks):
+            kept = mem.start + mem.outside_before_kept + sum(mem.saved[n] for n in ran[: i + 1])
+            for name in [b.name] + [s for s, rep in stand_in.items() if rep == b.name and s not in ran]:
+                st = stats[name]
+                st.saved_bytes[mode] = mem.saved[b.name]
+                st.held_bytes[mode] = b.forward_end - b.forward_start
+                st.forward_peak_bytes[mode] = b.forward_peak - b.forward_start
+                st.backward_peak_bytes[mode] = b.backward_peak - b.backward_grads - kept
+                if mode == "full" or (mode == modes[0] and not st.output_bytes):
+                    st.output_bytes = mem.output_bytes.get(b.name, 0)
+                if mem is base:
+                    st.forward_bytes = mem.allocated.get(b.name, 0)
+                    st.forward_ops = mem.ops.get(b.name, 0)
+    block_stats = [stats[n] for n in blocks]
+    outside = BlockStats(
+        name="outside",
+        param_bytes=base.start_parts["params"] - sum(s.param_bytes for s in block_stats),
+        grad_bytes=_grads_total(base) - sum(s.grad_bytes for s in block_stats),
+        forward_bytes=sum(base.allocated.get(k, 0) for k in (OUTSIDE_BEFORE, OUTSIDE_AFTER)),
+        forward_ops=sum(base.ops.get(k, 0) for k in (OUTSIDE_BEFORE, OUTSIDE_AFTER)),
+    )
+    for mode in modes:
+        mem = memory[mode]
+        outside.saved_bytes[mode] = mem.forward_end - mem.start - sum(mem.saved.values())
+        outside.forward_peak_bytes[mode] = mem.outside_forward_peak
+        outside.backward_peak_bytes[mode] = mem.outside_backward_peak
+    return Profile(
+        precision=precision,
+        device=str(model_device(model)),
+        batch_size=batch_size,
+        blocks=block_stats,
+        outside=outside,
+        param_bytes=base.start_parts["params"],
+        grad_bytes=_grads_total(base),
+        optimizer_bytes=base.start_parts["optimizer"],
+        optimizer_temp_bytes=max(0, base.phase_peaks.get("optimizer", 0) - base.backward_end),
+        outside_before_bytes=base.blocks[0].forward_start - base.start if base.blocks else 0,
+        outside_before_kept_bytes=base.outside_before_kept,
+        early_grad_bytes=base.early_grads,
+        activation_bytes=base.forward_end - base.start,
+        outside_before_forward_peak_bytes=base.outside_forward_before_peak,
+        outside_before_backward_peak_bytes=base.outside_backward_before_peak,
+    )
+
+
+def _grads_total(mem: StepMemory) -> int:
+    return int(mem.phase_breakdowns.get("optimizer", {}).get("grads", 0))

@@ -46,24 +46,28 @@ from torch import nn
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.checkpointing.segments import chain_probe
-from memfit.devices import Room, room, room_needed
+from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
-from memfit.measuring.assemble import profile_from_memory
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
-from memfit.measuring.phases import StepMemory, grad_bytes_of, optimizer_state_bytes, phased_step
+from memfit.measuring.phases import (
+    StepMemory,
+    grad_bytes_of,
+    optimizer_state_bytes,
+    phased_step,
+    profile_from_memory,
+)
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import measure_speed
-from memfit.measuring.tracker import device_of
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import fill_times, forward_work, simulate, time_note
-from memfit.vocab import CHECKPOINT_MODES
+from memfit.vocab import CHECKPOINT_MODES, CheckpointMode, PrecisionChoice
 
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
 BLOCK_ROUNDS = 8
@@ -74,10 +78,8 @@ _Context = AbstractContextManager[Any]
 __all__ = [
     "BLOCK_ROUNDS",
     "Profiler",
-    "create_optimizer_state",
     "memory_profile",
     "profile",
-    "profile_from_memory",
 ]
 
 
@@ -104,7 +106,7 @@ class Profiler:
             precision,
         )
         self.blocks = find_blocks(model)
-        self.memory: dict[str, StepMemory] = {}
+        self.memory: dict[CheckpointMode, StepMemory] = {}
         self.copied: dict[str, dict[str, set[str]]] = {}  # per mode and block: what in-place writes copied
         self.stand_in: dict[str, str] = {}
         self.links: list[bool] = []
@@ -125,9 +127,9 @@ class Profiler:
         """The plain step under fake tensors."""
         self.fake = False
         """Memory is measured on the fake twin: the plain step does not fit the room."""
-        self.timing: tuple[str, int] = ("none", 1)
+        self.timing: tuple[CheckpointMode, int] = ("none", 1)
         """The mode and micro-batches whole steps were timed in."""
-        self.failed: set[tuple[str, int]] = set()
+        self.failed: set[tuple[CheckpointMode, int]] = set()
         """Timing configurations that ran out of memory."""
 
     def _subject(self, on_twin: bool) -> tuple[nn.Module, Batch, _Optimizer | None, Precision, _Context]:
@@ -144,7 +146,7 @@ class Profiler:
             create_optimizer_state(model, optimizer)
             uncheckpoint(model)
             model.train()
-            # NOTE: a twin's failure is no verdict on the batch: the real step that follows judges it
+            # See Note [fake tensors first, real tensors where they fail]
             checked = batch_errors(model, batch) if not on_twin else nullcontext()
             # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
             count = on_twin or self.estimate is None
@@ -152,7 +154,7 @@ class Profiler:
                 mem = phased_step(
                     model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
                 )
-            # NOTE: only blocks proven residual (output shaped like the input) stand in for each other
+            # only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
         if not count and self.estimate is not None:
             mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
@@ -167,7 +169,7 @@ class Profiler:
             try:
                 self.twin = make_twin(self.model, self.optimizer, self.batch)
                 self.estimate = self._plain_step(on_twin=True)
-            except Exception as exc:  # NOTE: whatever a fake twin cannot do, a real step may
+            except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self.twin, self.twin_error = None, f"{type(exc).__name__}: {first}"
                 self.measured.append(
@@ -185,8 +187,8 @@ class Profiler:
     def plain_fits(self) -> bool:
         """Whether the plain step fits the device's room now (unknown room or estimate: True)."""
         peak = self.estimated_peak()
-        if self.room is None:  # NOTE: read after the fake step, which loads what a first step needs
-            self.room = room(device_of(self.model))
+        if self.room is None:  # See Note [room after the fake step]
+            self.room = room(model_device(self.model))
         if self.room is None or peak is None or self.estimate is None:
             return True
         return self.room.fits(peak - self.estimate.start)
@@ -241,7 +243,7 @@ class Profiler:
         free = format_bytes(self.room.free) if self.room is not None else "unknown"
         why = f" and fake tensors could not run it ({self.twin_error})" if self.twin_error else ""
         return (
-            f"the step without checkpointing ran out of memory on {device_of(self.model)} (room "
+            f"the step without checkpointing ran out of memory on {model_device(self.model)} (room "
             f"{free}){why}: plan with a smaller batch (memfit scales a plan's micro-batches) or "
             f"free the device ({type(exc).__name__})."
         )
@@ -280,7 +282,7 @@ class Profiler:
         prof.grad_bytes = grad_bytes_of(self.model)
         return simulate(prof, "none").peak_bytes
 
-    def modes(self, modes: Sequence[str]) -> None:
+    def modes(self, modes: Sequence[CheckpointMode]) -> None:
         """One step per mode, identical blocks run once (the others pass through): tracked, or
         on the fake twin where the plain step did not fit."""
         modes = [m for m in modes if m not in self.memory]
@@ -302,7 +304,7 @@ class Profiler:
                 f"{len(active)} of {len(self.blocks)} blocks run ({time.perf_counter() - started:.2f} s)"
             )
 
-    def _timing_config(self) -> tuple[str, int]:
+    def _timing_config(self) -> tuple[CheckpointMode, int]:
         """The (mode, micro-batches) whole steps are timed in: the plain step where it fits,
         else split into the fewest micro-batches that fit, else fully checkpointed.
 
@@ -315,7 +317,10 @@ class Profiler:
         prof = self._memory_profile()
         start, rows = self.memory["none"].start, batch_size(self.batch)
         # the plain step in micro-batches first (the same work), then fully checkpointed
-        for mode in [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]:
+        modes: list[CheckpointMode] = (
+            [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]
+        )
+        for mode in modes:
             k = 2 if mode == "none" else 1
             while k <= rows:
                 fits = self.room is None or self.room.fits(simulate(prof, mode, k).peak_bytes - start)
@@ -326,7 +331,7 @@ class Profiler:
         free = self.room.free if self.room is not None else 0
         where = f"{format_bytes(free)} ({self.room.source})" if self.room is not None else "unknown"
         raise InfeasibleBudget(
-            f"no step of {type(self.model).__name__} on this batch fits {device_of(self.model)}'s room of "
+            f"no step of {type(self.model).__name__} on this batch fits {model_device(self.model)}'s room of "
             f"{where}: its smallest, one sample at a time with every block checkpointed, needs "
             f"{format_bytes(least)} ({format_bytes(room_needed(max(0, least - start)))} more with memfit's "
             "margin); free the device or use a smaller model or sequence.",
@@ -341,9 +346,9 @@ class Profiler:
     # checkpointed, whose backward less the blocks' recompute (fitted to the heaviest block
     # run alone, see block_timing) is the plain backward.
 
-    def _timed(self, mode: str, micro_batches: int = 1) -> tuple[float, float, float]:
+    def _timed(self, mode: CheckpointMode, micro_batches: int = 1) -> tuple[float, float, float]:
         """(forward, backward, whole) seconds of one step with every block in ``mode``."""
-        device = device_of(self.model)
+        device = model_device(self.model)
         marks: dict[str, float] = {}
 
         def mark(name: str) -> None:
@@ -405,7 +410,7 @@ class Profiler:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
         started = time.perf_counter()
         self.times += self._timed_steps(repeats)[0]
-        self.speed = measure_speed(device_of(self.model), self.precision)
+        self.speed = measure_speed(model_device(self.model), self.precision)
         self.measured.append(
             f"{repeats} timed step(s) at {self.precision.mode}{self._describe_timing()} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
@@ -503,7 +508,7 @@ def memory_profile(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
 ) -> Profile:
     """Every checkpointing mode's memory, measured under fake tensors: nothing is allocated,
     nothing timed (the profile has no time model).
@@ -523,7 +528,7 @@ def memory_profile(
         >>> fake.memory_from, fake.measured_peak_bytes == real.measured_peak_bytes
         ('fake tensors', True)
     """
-    prec = as_precision(precision, device=device_of(model))
+    prec = as_precision(precision, device=model_device(model))
     with preserved(model, optimizer):
         prof = Profiler(model, batch, loss_fn, optimizer, prec)
         create_optimizer_state(model, optimizer)
@@ -539,7 +544,7 @@ def profile(
     batch: Batch,
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None = None,
-    precision: str | Precision = "fp32",
+    precision: PrecisionChoice | str | Precision = "fp32",
     repeats: int = 3,
 ) -> Profile:
     """Profile each block's memory, time and FLOPs under none, selective and full checkpointing.
@@ -565,7 +570,7 @@ def profile(
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
-    prec = as_precision(precision, device=device_of(model))
+    prec = as_precision(precision, device=model_device(model))
     original = checkpointed_blocks(model)
     scaler_state = prec.scaler.state_dict()
     try:

@@ -30,12 +30,12 @@ from torch import nn
 from memfit.checkpointing import set_block_modes
 from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import model_device
-from memfit.measuring.assemble import param_bytes, profile_from_memory
-from memfit.measuring.phases import grad_bytes_of, phased_step
+from memfit.measuring.phases import StepMemory, grad_bytes_of, param_bytes, phased_step, profile_from_memory
 from memfit.measuring.tracker import PhaseTracker
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.step import Batch, LossFn, batch_size
+from memfit.vocab import CheckpointMode, PrecisionName
 
 __all__ = ["fast_profiles", "identical", "optimizer_temp", "outputs_keep_shape", "skipping", "stand_ins"]
 
@@ -118,9 +118,9 @@ def fast_profiles(
     loss_fn: LossFn,
     optimizer: torch.optim.Optimizer | None,
     blocks: list[str],
-    precisions: list[str],
-    modes: list[str],
-    make_precision: Callable[[str], Precision],
+    precisions: list[PrecisionName],
+    modes: list[CheckpointMode],
+    make_precision: Callable[[PrecisionName], Precision],
 ) -> dict[str, Profile]:
     """Profiles of identical residual blocks from steps that run only the first and last.
 
@@ -129,11 +129,11 @@ def fast_profiles(
     """
     skipped = stand_ins(model, blocks, [True] * len(blocks))
     active = [b for b in blocks if b not in skipped]
-    profiles = {}
+    profiles: dict[str, Profile] = {}
     with skipping(model, list(skipped)):
         for precision in precisions:
             prec = make_precision(precision)
-            per_mode = {}
+            per_mode: dict[CheckpointMode, StepMemory] = {}
             for mode in modes:
                 set_block_modes(model, {b: mode for b in active})
                 per_mode[mode] = phased_step(

@@ -33,13 +33,20 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.utils._pytree import tree_flatten
 
 from memfit.checkpointing.compile import eager
+from memfit.devices import model_device
 
-__all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of", "device_of"]
+__all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of"]
 __all__ += ["fsdp_breakdown_of", "is_fsdp"]
 
 _NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 #: Owners of storages the forward creates outside every block: before the first, after the last.
 OUTSIDE_BEFORE, OUTSIDE_AFTER = "<outside before>", "<outside after>"
+
+# Note [compiled code runs eagerly when tracked]
+# torch.compile (torchao's optimizer step) refuses to run under a dispatch mode such as the
+# tracker's, so every tracked step runs compiled code eagerly
+# (memfit.checkpointing.compile.eager): what is measured is the eager step, its
+# temporaries an upper bound of the compiled step's.
 
 
 def breakdown_of(snapshot: dict[Any, int]) -> dict[str, int]:
@@ -75,12 +82,6 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def device_of(model: nn.Module) -> torch.device:
-    for t in model.parameters():
-        return t.device
-    return torch.device("cpu")
-
-
 class MemoryWatch:
     """Context that tracks the memory of the training step run inside it.
 
@@ -90,12 +91,12 @@ class MemoryWatch:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        self.model, self.device, self.peak_bytes, self._parts = model, device_of(model), 0, breakdown_of
+        self.model, self.device, self.peak_bytes, self._parts = model, model_device(model), 0, breakdown_of
         self._hook: Any = None
         self._eager: Any = None
         self.breakdown: dict[str, int] = {}
         if is_fsdp(model):
-            # NOTE: an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
+            # an FSDP2 model's parameters are DTensors; FSDPMemTracker counts this rank's
             # shards plus the unsharded parameters and gradients of the block computing.
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -114,8 +115,8 @@ class MemoryWatch:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        # NOTE: registered before MemTracker's own global hooks so it runs first. torch.compile
-        # (torchao's optimizer step) refuses to run in a dispatch mode: compiled code runs eagerly.
+        # registered before MemTracker's own global hooks so it runs first;
+        # see Note [compiled code runs eagerly when tracked]
         self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._next_micro_batch)
         self._eager = eager()
         self._eager.__enter__()
@@ -123,7 +124,8 @@ class MemoryWatch:
         return self
 
     def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
-        # NOTE: MemTracker refuses a second forward of the root module in one context (a new
+        # Note [micro-batches in one tracked step]
+        # MemTracker refuses a second forward of the root module in one context (a new
         # iteration, it thinks); with gradient accumulation it is the next micro-batch of the
         # same step: clear the per-module statistics (the peak is kept) to track it the same.
         tracker = self._tracker
@@ -140,7 +142,8 @@ class MemoryWatch:
         self.peak_bytes = sum(self.breakdown.values())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # NOTE: on a GPU the allocator's peak is the truth: it also counts what MemTracker
+            # Note [the allocator's peak on a GPU]
+            # On a GPU the allocator's peak is the truth: it also counts what MemTracker
             # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
             self.breakdown["temporaries"] += self.peak_bytes - sum(self.breakdown.values())
@@ -175,7 +178,8 @@ class PhaseTracker(MemTracker):
         self.phase_peak: dict[str, int] = {}
         self.phase_snap: dict[str, dict[Any, int]] = {}
         self.kept = 0
-        # NOTE: the outside's peaks before the first block (stem) and after it (head, loss) are
+        # Note [the stem's peaks apart]
+        # The outside's peaks before the first block (stem) and after it (head, loss) are
         # apart: the stem runs with no block's activations held (forward) or kept (backward).
         self.outside_peak = dict.fromkeys(("forward", "backward", "forward_before", "backward_before"), 0)
         self.ops: dict[str, int] = {}  # per part (block or outside key): aten ops of its forward
@@ -196,7 +200,8 @@ class PhaseTracker(MemTracker):
 
     def track_external(self, *external: Any) -> None:
         super().track_external(*external)
-        # NOTE: MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen
+        # Note [frozen parameters are hooked already]
+        # MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen
         # one (Whisper's position embeddings): marked as hooked already, they still count.
         for m in (m for m in external if isinstance(m, nn.Module)):
             for p in (p for p in m.parameters() if not p.requires_grad):
@@ -207,9 +212,6 @@ class PhaseTracker(MemTracker):
 
     def current_parts(self) -> dict[str, int]:
         return breakdown_of(self._curr_mem_snap.get(self.device, {}))
-
-    def grads_now(self) -> int:
-        return int(self._curr_mem_snap.get(self.device, {}).get(_MemRefType.GRAD, 0))
 
     def enter_phase(self, phase: str) -> None:
         self.phase = phase
@@ -259,7 +261,8 @@ class PhaseTracker(MemTracker):
         super()._track(reftype, t)
         if self.phase != "forward":
             return
-        # NOTE: every storage the forward creates is owned by the block running then, or by the
+        # Note [who owns a storage]
+        # Every storage the forward creates is owned by the block running then, or by the
         # outside (before / after the blocks); what is alive when the forward ends is kept.
         owner = self._owner_now()
         for st in get_untyped_storages(t):
@@ -289,7 +292,8 @@ class PhaseTracker(MemTracker):
             self.kept += self._grads[name] - self._saved.pop(name)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # NOTE: same updates as MemTracker._update_peak_stats, but only for the modules
+        # Note [a peak update that visits the running modules only]
+        # The same updates as MemTracker._update_peak_stats, but only for the modules
         # that are running now (looked up by name) instead of every module ever seen.
         curr = self._curr_mem_snap
         parents = self._mod_tracker.parents

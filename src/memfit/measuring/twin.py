@@ -63,6 +63,17 @@ def _fake_optimizer(optimizer: torch.optim.Optimizer, fakes: dict[int, Any]) -> 
     return type(optimizer)(groups)  # type: ignore[call-arg]
 
 
+# Note [fake tensors first, real tensors where they fail]
+# A twin is tried first because it allocates nothing. Whatever it cannot do (a copy that
+# fails, a forward that reads values), a real step may: a twin's failure is no verdict on
+# the model or the batch. Callers catch any exception from the twin and measure (or count)
+# for real, as before twins existed; the real step then judges the batch.
+#
+# Note [room after the fake step]
+# The device's room is read after the fake step, which loads what a first step needs
+# (libraries, lazily built state); the room left then is what the real step gets.
+
+
 def make_twin(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: Batch) -> Twin:
     """The model, optimizer and batch copied to fake tensors (its optimizer state is not copied:
     create it on the twin with :func:`memfit.measuring.preserve.create_optimizer_state`).

@@ -47,7 +47,7 @@ class Record:
         if not isinstance(data, dict):
             raise ConfigError(f"{name} must be a JSON object, got {type(data).__name__}")
         if isinstance(data.get("memfit"), str):
-            # NOTE: the marker of a file memfit wrote (memfit.outputs.MARKER): not a field
+            # the marker of a file memfit wrote (memfit.outputs.MARKER): not a field
             data = {k: v for k, v in data.items() if k != "memfit"}
         hints = typing.get_type_hints(cls)
         fields = dataclasses.fields(cls)  # type: ignore[arg-type]

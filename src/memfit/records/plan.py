@@ -59,7 +59,7 @@ class Plan(Record):
     the plan)."""
 
     def __post_init__(self) -> None:
-        # NOTE: one spelling of the modes (memfit.vocab); plans saved with "keep" still load.
+        # one spelling of the modes (memfit.vocab); plans saved with "keep" still load
         if not isinstance(self.blocks, Mapping):
             raise ConfigError(
                 f"a plan's blocks must map block names to modes, got {type(self.blocks).__name__}; "

@@ -49,6 +49,58 @@ def _module_table(pc: PrecisionCheck) -> list[str]:
     ]
 
 
+def _summary_rows(report: StabilityReport) -> list[list[Any]]:
+    """One row per precision, then the fp32 noise run's."""
+    rows: list[list[Any]] = [
+        [
+            pc.precision,
+            pc.verdict,
+            _num(pc.run.eval_loss),
+            _num(pc.loss_delta, ".4g"),
+            _num(pc.band_multiple, ".2f"),
+            _num(pc.grad_norm_ratio, ".3f"),
+            _num(pc.param_drift, ".3f"),
+            f"{pc.skipped_steps}/{len(pc.run.losses)}",
+            f"{pc.final_scale:g}",
+        ]
+        for pc in report.by_precision.values()
+    ]
+    noise = ["fp32 (noise)", "-", _num(report.noise.eval_loss), "", "", ""]
+    return [*rows, [*noise, _num(report.noise_param_drift, ".3f"), "", ""]]
+
+
+_SUMMARY_HEAD = [
+    "precision",
+    "verdict",
+    "final loss",
+    "abs Δ loss vs fp32",
+    "noise bands",
+    "grad-norm ratio",
+    "param drift",
+    "skipped",
+    "final scale",
+]
+
+
+def _precision_section(pc: PrecisionCheck) -> list[str]:
+    """One precision's verdict, reasons, first non-finite value and modules nearest fp16's limits."""
+    lines = ["", f"## {pc.precision}: {pc.verdict}", ""]
+    lines += [f"- {r}" for r in pc.reasons]
+    if pc.reference_run is not None:
+        lines += [
+            f"- compared with an fp32 run that skips the same {pc.skipped_steps} step(s) the loss scaler "
+            f"skipped (final loss {_num(pc.reference_run.eval_loss)}), so that the numbers measure "
+            "arithmetic, not lost updates"
+        ]
+    if pc.first_nonfinite is not None:
+        nf = pc.first_nonfinite
+        lines += [
+            f"- first non-finite value: {nf.value} in module `{nf.module}`, {nf.phase} pass, "
+            f"{nf.dtype}, step {nf.step}"
+        ]
+    return lines + _module_table(pc)
+
+
 def check_markdown(report: StabilityReport) -> str:
     """The report as Markdown: verdicts, reasons, numbers, hardware facts."""
     ref = report.reference
@@ -65,61 +117,9 @@ def check_markdown(report: StabilityReport) -> str:
             "",
             f"Mixed-precision runs use checkpointing {modes}; micro-batches {report.micro_batches}.",
         ]
-    rows: list[list[Any]] = [
-        [
-            pc.precision,
-            pc.verdict,
-            _num(pc.run.eval_loss),
-            _num(pc.loss_delta, ".4g"),
-            _num(pc.band_multiple, ".2f"),
-            _num(pc.grad_norm_ratio, ".3f"),
-            _num(pc.param_drift, ".3f"),
-            f"{pc.skipped_steps}/{len(pc.run.losses)}",
-            f"{pc.final_scale:g}",
-        ]
-        for pc in report.by_precision.values()
-    ]
-    rows.append(
-        [
-            "fp32 (noise)",
-            "-",
-            _num(report.noise.eval_loss),
-            "",
-            "",
-            "",
-            _num(report.noise_param_drift, ".3f"),
-            "",
-            "",
-        ]
-    )
-    head = [
-        "precision",
-        "verdict",
-        "final loss",
-        "abs Δ loss vs fp32",
-        "noise bands",
-        "grad-norm ratio",
-        "param drift",
-        "skipped",
-        "final scale",
-    ]
-    lines += ["", markdown_table(head, rows)]
+    lines += ["", markdown_table(_SUMMARY_HEAD, _summary_rows(report))]
     for pc in report.by_precision.values():
-        lines += ["", f"## {pc.precision}: {pc.verdict}", ""]
-        lines += [f"- {r}" for r in pc.reasons]
-        if pc.reference_run is not None:
-            lines += [
-                f"- compared with an fp32 run that skips the same {pc.skipped_steps} step(s) the loss scaler "
-                f"skipped (final loss {_num(pc.reference_run.eval_loss)}), so that the numbers measure "
-                "arithmetic, not lost updates"
-            ]
-        if pc.first_nonfinite is not None:
-            nf = pc.first_nonfinite
-            lines += [
-                f"- first non-finite value: {nf.value} in module `{nf.module}`, {nf.phase} pass, "
-                f"{nf.dtype}, step {nf.step}"
-            ]
-        lines += _module_table(pc)
+        lines += _precision_section(pc)
     lines += ["", "## Hardware facts this check depends on", ""]
     lines += [f"- {h}" for h in report.hardware]
     lines += [

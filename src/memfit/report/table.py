@@ -23,13 +23,13 @@ __all__ = ["markdown_table", "mode_counts", "text_table"]
 def mode_counts(modes: Iterable[str]) -> dict[str, int]:
     """How many blocks run in each mode, named for people: a block in mode ``none`` is "keep".
 
-    # NOTE: the vocabulary (memfit.vocab) spells an unchanged block "none"; next to "full 3"
-    # a reader understands "keep 1" (keeps its activations) at once, so reports say that.
-
     Example:
         >>> mode_counts(["full", "none", "full"])
         {'full': 2, 'keep': 1}
     """
+    # Note ["keep" in reports]
+    # The vocabulary (memfit.vocab) spells an unchanged block "none"; next to "full 3" a
+    # reader understands "keep 1" (keeps its activations) at once, so reports say that.
     counts: dict[str, int] = {}
     for mode in modes:
         label = "keep" if mode == "none" else mode

@@ -19,7 +19,7 @@ and ``full`` numbers (the tests compare them with measured peaks).
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from memfit.records import BREAKDOWN_KEYS, BlockStats, Profile
@@ -100,10 +100,11 @@ class _Blocks:
         self.n = len(profile.blocks)
         pairs = [(b, block_options(b)) for b in profile.blocks]
         self.saved = [{m: round(s * b.saved_bytes[m]) for m in o} for b, o in pairs]
-        # NOTE: during the forward a block holds its saved bytes plus what only the forward's
-        # end frees (autocast's cached weight casts): ``held``; the backward sees ``saved``.
+        # Note [held and saved bytes]
+        # During the forward a block holds its saved bytes plus what only the forward's end
+        # frees (autocast's cached weight casts): ``held``; the backward sees ``saved``.
         self.held = [{m: round(s * b.held_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
-        # NOTE: FSDP2's gathered parameters (``*_fixed_bytes``) do not shrink with micro-batches.
+        # FSDP2's gathered parameters (``*_fixed_bytes``) do not shrink with micro-batches.
         self.fwd = [
             {m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes) for m in o}
             for b, o in pairs
@@ -175,6 +176,165 @@ class _Blocks:
         )
 
 
+@dataclass(frozen=True)
+class _Walk:
+    """The step's numbers at one micro-batch scale, read by every event of :func:`events`."""
+
+    profile: Profile
+    opts: list[Option]
+    blk: _Blocks
+    state: dict[str, int]
+    """Parameters and optimizer state: held at every moment."""
+    whole: int
+    """The batch's whole storage, held all step once it is split (Note [micro-batch views])."""
+    before: int
+    kept_before: int
+    early: int
+    """Gradient bytes that exist when the first block's backward starts."""
+    block_grads: int
+    outside_grads: int
+    out_fwd: int
+    out_bwd: int
+    stem_fwd: int
+    stem_bwd: int
+    step: Mapping[str, int]
+    """Per block (``""``: outside), the fused optimizer step's temporaries."""
+
+    def event(self, label: str, fixed: Parts, term: Callable[[Option], Parts]) -> Event:
+        """An event whose terms are ``term(option)`` for every option that adds bytes then."""
+        return Event(label, fixed, {o: p for o in self.opts if (p := term(o))})
+
+
+@dataclass(frozen=True)
+class _Phase:
+    """One micro-batch's walk: its label, whether gradients are already held, whether it is
+    the fused step's last (Note [fused step's last micro-batch])."""
+
+    prefix: str
+    later: bool
+    last: bool
+
+
+def _walk(profile: Profile, micro_batches: int, opts: list[Option]) -> _Walk:
+    s = micro_batch_scale(profile.batch_size, micro_batches)
+    out = profile.outside
+    early = profile.early_grad_bytes
+    block_grads = sum(_grad(b) for b in profile.blocks)
+    outside_grads = max(0, profile.grad_bytes - block_grads)
+    # Note [micro-batch views]
+    # Split into micro-batches, the batch's tensors are chunked into views inside the step;
+    # MemTracker then counts their whole storage, for the rest of the step.
+    whole = profile.input_bytes if micro_batches > 1 else 0
+    # Note [outside in mixed plans]
+    # The outside's numbers were measured with every block in one mode; they barely depend
+    # on it (the tests find them equal), and the largest keeps mixed plans safe.
+    return _Walk(
+        profile=profile,
+        opts=opts,
+        blk=_Blocks(profile, s),
+        state={"params": profile.param_bytes, "optimizer": profile.optimizer_bytes},
+        whole=whole,
+        before=_scaled(profile.outside_before_bytes, s),
+        kept_before=_scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s),
+        early=early,
+        block_grads=block_grads,
+        outside_grads=outside_grads,
+        out_fwd=_scaled(max(out.forward_peak_bytes.values(), default=0), s),
+        out_bwd=_scaled(max(out.backward_peak_bytes.values(), default=0), s, early),
+        stem_fwd=_scaled(profile.outside_before_forward_peak_bytes, s),
+        stem_bwd=_scaled(max(0, profile.outside_before_backward_peak_bytes - outside_grads), s),
+        step=profile.lever_step_bytes,
+    )
+
+
+def _phases(profile: Profile, micro_batches: int) -> list[_Phase]:
+    """The micro-batches the events walk: the first, a later one, the fused step's last."""
+    phases = (
+        [("", False)]
+        if micro_batches == 1
+        else [("first micro-batch: ", False), ("later micro-batch: ", True)]
+    )
+    # Note [fused step's last micro-batch]
+    # With the optimizer step fused into the backward (memfit.levers.fused), the last
+    # micro-batch's backward frees each gradient as it completes: its own phase.
+    fused = "fused_step" in profile.levers
+    if fused:
+        phases = phases[:-1] if micro_batches <= 2 else phases
+        phases.append(("last micro-batch: " if micro_batches > 1 else "", micro_batches > 1))
+    return [_Phase(p, later, fused and k == len(phases) - 1) for k, (p, later) in enumerate(phases)]
+
+
+def _forward_events(w: _Walk, ph: _Phase) -> list[Event]:
+    """The stem's forward, each block's, then the head and loss."""
+    prefix, start = ph.prefix, {**w.state, "grads": w.profile.grad_bytes if ph.later else 0}
+    result: list[Event] = []
+    if w.stem_fwd:
+        fixed = {**start, "activations": w.whole, "temporaries": w.stem_fwd}
+        result.append(Event(f"{prefix}forward outside before the blocks", fixed))
+    for t, block in enumerate(w.profile.blocks):
+        fixed = {**start, "activations": w.whole + w.before}
+        label = f"{prefix}forward of {block.name}"
+        result.append(w.event(label, fixed, functools.partial(w.blk.forward, t=t)))
+    fixed = {**start, "activations": w.whole, "temporaries": w.out_fwd}
+    label = f"{prefix}forward outside the blocks (head, loss)"
+    return [*result, w.event(label, fixed, lambda o: w.blk.after_forward(o, False))]
+
+
+def _head_backward_event(w: _Walk, ph: _Phase) -> Event:
+    """The loss's and the head's backward, before the blocks'."""
+    start = {**w.state, "grads": w.profile.grad_bytes if ph.later else 0}
+    fixed = {**start, "activations": w.whole, "temporaries": w.out_bwd}
+    if ph.last:  # the head's gradients step as they complete
+        fixed = {
+            **start,
+            "grads": w.profile.grad_bytes - w.early if ph.later else 0,
+            "activations": w.whole,
+            "temporaries": w.out_bwd - w.early + w.step.get("", 0),
+        }
+    label = f"{ph.prefix}backward outside the blocks (loss, head)"
+    return w.event(label, fixed, lambda o: w.blk.after_forward(o, True))
+
+
+def _block_backward_events(w: _Walk, ph: _Phase) -> list[Event]:
+    """Each block's backward in reverse order, a segment's recompute before its last block's."""
+    prefix, later, result = ph.prefix, ph.later, []
+    grads = w.profile.grad_bytes if later else w.early
+    if ph.last:  # blocks not yet backwarded and the stem still hold earlier micro-batches' gradients
+        grads = w.block_grads + w.outside_grads - w.early if later else 0
+    segments = any(o.segment for o in w.opts)
+    for t in reversed(range(w.blk.n)):
+        block = w.profile.blocks[t]
+        fixed = {**w.state, "grads": grads, "activations": w.whole + w.kept_before}
+        if segments:
+            label = f"{prefix}recompute before the backward of {block.name}"
+            result.append(w.event(label, fixed, functools.partial(w.blk.backward, t=t, recompute=True)))
+        if ph.last:  # its new gradients step and go as they complete; one parameter's step at a time
+            fixed = {**fixed, "temporaries": w.step.get(block.name, 0) - _grad(block)}
+        label = f"{prefix}backward of {block.name}"
+        result.append(w.event(label, fixed, functools.partial(w.blk.backward, t=t, recompute=False)))
+        if ph.last:
+            grads -= _grad(block) if later else 0
+        elif not later:
+            grads += _grad(block)
+    return result
+
+
+def _stem_backward_events(w: _Walk, ph: _Phase) -> list[Event]:
+    """The stem's backward, after every block's (none when the stem holds nothing then)."""
+    if not w.stem_bwd:
+        return []
+    fixed = {
+        **w.state,
+        "grads": w.block_grads + (w.outside_grads if ph.later else w.early),
+        "activations": w.whole,
+        "temporaries": w.stem_bwd,
+    }
+    if ph.last:
+        fixed["grads"] = w.outside_grads - w.early if ph.later else 0
+        fixed["temporaries"] = w.stem_bwd + w.step.get("", 0)
+    return [Event(f"{ph.prefix}backward outside before the blocks", fixed)]
+
+
 def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] | None = None) -> list[Event]:
     """The step's memory events for ``micro_batches`` micro-batches, as linear expressions.
 
@@ -195,111 +355,15 @@ def events(profile: Profile, micro_batches: int = 1, options: Sequence[Option] |
     from memfit.stepmodel.options import all_options
 
     opts = list(all_options(profile) if options is None else options)
-    s = micro_batch_scale(profile.batch_size, micro_batches)
-    blk = _Blocks(profile, s)
-    out = profile.outside
-    state = {"params": profile.param_bytes, "optimizer": profile.optimizer_bytes}
-    # NOTE: split into micro-batches, the batch's tensors are chunked into views inside the
-    # step; MemTracker then counts their whole storage, for the rest of the step.
-    whole = profile.input_bytes if micro_batches > 1 else 0
-    before = _scaled(profile.outside_before_bytes, s)
-    kept_before = _scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s)
-    early = profile.early_grad_bytes
-    block_grads = sum(_grad(b) for b in profile.blocks)
-    outside_grads = max(0, profile.grad_bytes - block_grads)
-    # NOTE: the outside's numbers were measured with every block in one mode; they barely
-    # depend on it (the tests find them equal), and the largest keeps mixed plans safe.
-    out_fwd = _scaled(max(out.forward_peak_bytes.values(), default=0), s)
-    out_bwd = _scaled(max(out.backward_peak_bytes.values(), default=0), s, early)
-    stem_fwd = _scaled(profile.outside_before_forward_peak_bytes, s)
-    stem_bwd = _scaled(max(0, profile.outside_before_backward_peak_bytes - outside_grads), s)
-    segments = any(o.segment for o in opts)
-
-    def ev(label: str, fixed: Parts, term: object) -> Event:
-        per = {o: p for o in opts if (p := term(o))}  # type: ignore[operator]
-        return Event(label, fixed, per)
-
+    w = _walk(profile, micro_batches, opts)
     result: list[Event] = []
-    phases = (
-        [("", False)]
-        if micro_batches == 1
-        else [("first micro-batch: ", False), ("later micro-batch: ", True)]
-    )
-    # NOTE: with the optimizer step fused into the backward (memfit.levers.fused), the last
-    # micro-batch's backward frees each gradient as it completes: its own phase.
-    fused = "fused_step" in profile.levers
-    if fused:
-        phases = phases[:-1] if micro_batches <= 2 else phases
-        phases.append(("last micro-batch: " if micro_batches > 1 else "", micro_batches > 1))
-    step = profile.lever_step_bytes
-    for k, (prefix, later) in enumerate(phases):
-        last = fused and k == len(phases) - 1
-        start = {**state, "grads": profile.grad_bytes if later else 0}
-        if stem_fwd:
-            result.append(
-                Event(
-                    f"{prefix}forward outside before the blocks",
-                    {**start, "activations": whole, "temporaries": stem_fwd},
-                )
-            )
-        for t, block in enumerate(profile.blocks):
-            fixed = {**start, "activations": whole + before}
-            result.append(ev(f"{prefix}forward of {block.name}", fixed, lambda o, t=t: blk.forward(o, t)))
-        fixed = {**start, "activations": whole, "temporaries": out_fwd}
-        result.append(
-            ev(
-                f"{prefix}forward outside the blocks (head, loss)",
-                fixed,
-                lambda o: blk.after_forward(o, False),
-            )
-        )
-        fixed = {**start, "activations": whole, "temporaries": out_bwd}
-        if last:  # the head's gradients step as they complete
-            held = profile.grad_bytes - early if later else 0
-            fixed = {
-                **start,
-                "grads": held,
-                "activations": whole,
-                "temporaries": out_bwd - early + step.get("", 0),
-            }
-        result.append(
-            ev(
-                f"{prefix}backward outside the blocks (loss, head)",
-                fixed,
-                lambda o: blk.after_forward(o, True),
-            )
-        )
-        grads = profile.grad_bytes if later else early
-        if last:  # blocks not yet backwarded and the stem still hold earlier micro-batches' gradients
-            grads = block_grads + outside_grads - early if later else 0
-        for t in reversed(range(blk.n)):
-            block = profile.blocks[t]
-            fixed = {**state, "grads": grads, "activations": whole + kept_before}
-            if segments:
-                label = f"{prefix}recompute before the backward of {block.name}"
-                result.append(ev(label, fixed, lambda o, t=t: blk.backward(o, t, True)))
-            if last:  # its new gradients step and go as they complete; one parameter's step at a time
-                fixed = {**fixed, "temporaries": step.get(block.name, 0) - _grad(block)}
-            result.append(
-                ev(f"{prefix}backward of {block.name}", fixed, lambda o, t=t: blk.backward(o, t, False))
-            )
-            if last:
-                grads -= _grad(block) if later else 0
-            elif not later:
-                grads += _grad(block)
-        if stem_bwd:
-            fixed = {
-                **state,
-                "grads": block_grads + (outside_grads if later else early),
-                "activations": whole,
-                "temporaries": stem_bwd,
-            }
-            if last:
-                fixed["grads"] = outside_grads - early if later else 0
-                fixed["temporaries"] = stem_bwd + step.get("", 0)
-            result.append(Event(f"{prefix}backward outside before the blocks", fixed))
-    if not fused:
-        end = {**state, "grads": profile.grad_bytes, "activations": whole}
+    for ph in _phases(profile, micro_batches):
+        result += _forward_events(w, ph)
+        result.append(_head_backward_event(w, ph))
+        result += _block_backward_events(w, ph)
+        result += _stem_backward_events(w, ph)
+    if "fused_step" not in profile.levers:
+        end = {**w.state, "grads": profile.grad_bytes, "activations": w.whole}
         result.append(Event("optimizer step", {**end, "temporaries": profile.optimizer_temp_bytes}))
     return result
 

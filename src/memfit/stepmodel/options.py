@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from memfit.errors import ConfigError
 from memfit.records import BlockStats, Profile
-from memfit.vocab import CHECKPOINT_MODES, normalize_mode
+from memfit.vocab import CHECKPOINT_MODES, CheckpointMode, normalize_mode
 
 __all__ = [
     "MAX_SEGMENT",
@@ -115,7 +115,7 @@ def all_options(profile: Profile, max_segment: int = MAX_SEGMENT) -> list[Option
     return out
 
 
-def normalize_modes(profile: Profile, modes: str | Mapping[str, str] | Sequence[str]) -> list[str]:
+def normalize_modes(profile: Profile, modes: str | Mapping[str, str] | Sequence[str]) -> list[CheckpointMode]:
     """Per-block modes in profile order from one mode for all, ``{name: mode}`` or a list.
 
     Raises:
@@ -136,7 +136,7 @@ def normalize_modes(profile: Profile, modes: str | Mapping[str, str] | Sequence[
         seq = list(modes)
         if len(seq) != len(names):
             raise ConfigError(f"got {len(seq)} modes for {len(names)} profiled blocks; give one per block.")
-    out: list[str] = [normalize_mode(m) for m in seq]
+    out: list[CheckpointMode] = [normalize_mode(m) for m in seq]
     for block, mode in zip(profile.blocks, out, strict=True):
         if mode not in block_options(block):
             raise ConfigError(
