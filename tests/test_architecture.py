@@ -145,8 +145,6 @@ def test_the_direction_check_finds_an_upward_import() -> None:
     ]
 
 
-
-
 def _defined(tree: ast.Module) -> set[str]:
     names = set()
     for node in tree.body:
