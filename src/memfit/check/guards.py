@@ -48,11 +48,10 @@ from memfit.errors import ConfigError, NonFiniteLoss
 from memfit.precision import Precision
 from memfit.records import NonFinite
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.vocab import MIXED_PRECISIONS
+from memfit.vocab import GUARD_ACTIONS, MIXED_PRECISIONS, GuardAction
 
-__all__ = ["GUARD_ACTIONS", "Guard", "GuardConfig", "GuardEvent"]
+__all__ = ["Guard", "GuardConfig", "GuardEvent"]
 
-GUARD_ACTIONS = ("stop", "fallback")
 _FALLBACKS = ("auto", "bf16", "fp32_modules")
 log = logging.getLogger("memfit.guard")
 
@@ -69,7 +68,7 @@ class GuardConfig:
     """Warn (or fall back) when the fp16 scaler skipped more than this fraction of the window."""
     min_scale: float = 1.0
     """Warn (or fall back) when the fp16 loss scale falls below this."""
-    on_overflow: str = "stop"
+    on_overflow: GuardAction = "stop"
     """``"stop"``: warn on fp16 trouble, stop on non-finite fp32/bf16 loss; ``"fallback"``: switch."""
     fallback_to: str = "auto"
     """fp16 fallback: ``"auto"``/``"bf16"`` (bf16 where the device runs it), ``"fp32_modules"``."""

@@ -27,7 +27,7 @@ VERDICTS = ("PASS", "WARN", "FAIL")
 
 @dataclass(kw_only=True, frozen=True)
 class Thresholds:
-    """Where PASS ends and WARN and FAIL begin (see README, "Verdict thresholds")."""
+    """Where PASS ends and WARN and FAIL begin (see docs/check.md, "Verdict thresholds")."""
 
     warn_band: float = 2.0
     """WARN when the final-loss difference to fp32 exceeds this many noise bands."""

@@ -154,14 +154,7 @@ def check(args: argparse.Namespace) -> None:
 
 def _optimizer_fn(cfg: Config) -> Callable[[Any], torch.optim.Optimizer]:
     """AdamW with the config's settings."""
-    o = cfg.optimizer
-
-    def optimizer_fn(params: Any) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            params, lr=o.lr, betas=(o.betas[0], o.betas[1]), eps=o.eps, weight_decay=o.weight_decay
-        )
-
-    return optimizer_fn
+    return cfg.optimizer.make
 
 
 def _with_plans(

@@ -148,31 +148,21 @@ def run(args: argparse.Namespace) -> int:
     spec = build_model(cfg.model)
     plan = _plan(cfg, spec.model, args.plan)
     train, evals = _batches(cfg, args.steps)
-    o = cfg.optimizer
 
     def model_fn() -> torch.nn.Module:
         return build_model(cfg.model).model
-
-    def optimizer_fn(params: object) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            params,  # type: ignore[arg-type]
-            lr=o.lr,
-            betas=(o.betas[0], o.betas[1]),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-        )
 
     report = check_stability(
         model_fn,
         train,
         spec.loss_fn,
-        optimizer_fn,
+        cfg.optimizer.make,
         precisions=precisions,
         steps=args.steps,
         plan=plan,
         eval_batches=evals,
         device=resolve_device(cfg.train.device),
-        clip_norm=o.clip_norm or None,
+        clip_norm=cfg.optimizer.clip_norm or None,
         seed=cfg.train.seed,
         progress=not args.quiet and sys.stderr.isatty(),
         levers=None if args.levers is None else normalize_levers(args.levers),
