@@ -63,8 +63,9 @@ class Prepared:
     model: weakref.ref[nn.Module]
 
 
-# NOTE: keyed by the optimizer (weakly): the scaler's state must live from step to step,
-# and the optimizer is the one object a loop passes to every step that is its own.
+# Note [prepared state keyed by the optimizer]
+# Keyed by the optimizer (weakly): the scaler's state must live from step to step, and the
+# optimizer is the one object a loop passes to every step that is its own.
 _PREPARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Prepared] = weakref.WeakKeyDictionary()
 
 

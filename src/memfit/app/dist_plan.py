@@ -66,7 +66,8 @@ def _plan_rank(
     base = ranked.get("fp32")
     baseline = simulate(base, "none").peak_bytes if base is not None else 0
     seconds = base.step_seconds if base is not None else 0.0
-    # NOTE: read before sharding: what this rank holds now plus its room (conservative)
+    # Read before sharding: what this rank holds now plus its room (conservative).
+    # See Note [room before the snapshot]
     budget_bytes = resolve_in_room(budget, baseline, room(device), held_bytes(model, optimizer), device)
     result = plan_from_profiles({p: ranked[p] for p in wanted}, budget_bytes, baseline, seconds)
     result.notes.append(
@@ -111,7 +112,7 @@ def plan_for_ranks(
             chosen = _plan_rank(model, part, loss_fn, spec, optimizer, precision, ctx)
             payload[0] = {"plan": chosen.to_dict()}
         except MemfitError as exc:
-            # NOTE: every rank must leave the broadcast, with the same error, or the others hang.
+            # Every rank must leave the broadcast, with the same error, or the others hang.
             payload[0] = {
                 "error": str(exc),
                 "infeasible": isinstance(exc, InfeasibleBudget),

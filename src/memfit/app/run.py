@@ -111,8 +111,9 @@ def train_from_config(
         cfg = resumed.cfg if resumed is not None else cfg
     device = check_run(cfg, resume, overwrite)
     out = Path(cfg.train.out)
-    # NOTE: every rank checks the files above before joining the process group, so no rank
-    # can have written anything yet.
+    # Note [checks before the group]
+    # Every rank checks the files above before joining the process group, so no rank can
+    # have written anything yet.
     dist_ctx, device = init_distributed(cfg.train.distributed, device)
     finished = False
     try:
@@ -148,7 +149,7 @@ def _train_joined(
     save = SaveState(files["state"], cfg.train.checkpoint_every, built.sampler, {"config": cfg.to_dict()})
     log = MetricsLog(files["metrics"], keep_until=resumed_from) if dist_ctx.is_main else None
     if log is None:
-        # NOTE: other ranks only take part in saving (FSDP2 shards); rank 0 writes the rest.
+        # Other ranks only take part in saving (FSDP2 shards); rank 0 writes the rest.
         trainer.callbacks.append(save)
     else:
         quiet_bar = not trainer.progress_enabled() and progress is not False

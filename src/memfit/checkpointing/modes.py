@@ -81,7 +81,8 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
             type(module).__name__,
             ", ".join(changed),
         )
-    # NOTE: non-reentrant checkpointing replays the RNG state (dropout masks match) and
+    # Note [what a recompute replays]
+    # Non-reentrant checkpointing replays the RNG state (dropout masks match) and
     # records the autocast state, so the recompute runs at the forward's precision;
     # run_checkpointed makes the recompute start from what the forward started from.
     return run_checkpointed(inner, module, layer.mode, args, kwargs)

@@ -184,7 +184,7 @@ def plan_for_trainer(
         gradient_accumulation_steps=chosen.micro_batches,
         bf16=chosen.precision == "bf16",
         fp16=chosen.precision == "fp16",
-        # NOTE: transformers runs bf16 on a CPU (one with AVX512-BF16 or AMX) only with use_cpu set
+        # transformers runs bf16 on a CPU (one with AVX512-BF16 or AMX) only with use_cpu set
         use_cpu=args.use_cpu or (chosen.precision == "bf16" and args.device.type == "cpu"),
     )
     counts = ", ".join(f"{n} {m}" for m, n in sorted(mode_counts(chosen.blocks.values()).items()))

@@ -53,8 +53,9 @@ def is_lever_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
-    # NOTE: torchao keeps the learning rate as a tensor (no recompile when it changes); a
-    # scheduler or a user that writes a float is turned back into one here.
+    # Note [torchao's learning-rate tensor]
+    # torchao keeps the learning rate as a tensor (no recompile when it changes); a scheduler
+    # or a user that writes a float is turned back into one here.
     for group in optimizer.param_groups:
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
@@ -78,8 +79,9 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
             return base._new_buffer(self, p, signed)
 
         def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-            # NOTE: torch.optim casts loaded floating state to the parameter's dtype; moments
-            # kept in bf16 go back to bf16 so a resumed run computes as the saved one did.
+            # Note [bf16 moments after a load]
+            # torch.optim casts loaded floating state to the parameter's dtype; moments kept
+            # in bf16 go back to bf16 so a resumed run computes as the saved one did.
             base.load_state_dict(self, state_dict)
             if self.memfit_state == "bf16":
                 for per in self.state.values():

@@ -203,8 +203,9 @@ def levers_applied(
         yield optimizer
         return
     saved = cast_weights(model) if "weights_bf16" in plan.levers else []
-    # NOTE: a state lever makes a new optimizer from one without state: a shallow copy whose
-    # state is empty (the user's optimizer and its state are left alone).
+    # Note [a fresh optimizer for state levers]
+    # A state lever makes a new optimizer from one without state: a shallow copy whose state
+    # is empty, so the user's optimizer and its state are left alone.
     fresh = copy.copy(optimizer)
     fresh.state = collections.defaultdict(dict)
     used = apply_levers(model, fresh, plan)

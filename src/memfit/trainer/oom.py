@@ -107,7 +107,7 @@ def describe_plan(plan: Plan | None, micro_batches: int = 1) -> str:
 
 
 def _norm_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # NOTE: running statistics are the buffers a forward pass changes in training mode.
+    # Running statistics are the buffers a forward pass changes in training mode.
     kept = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._NormBase):
@@ -231,11 +231,11 @@ def replan(
 
     Raises:
         InfeasibleBudget: no plan fits the smaller budget.
-
-    # NOTE: the new plan comes from the profiles alone (no measured check, which would need
-    # memory): the retried step is its check, and a plan that still runs out is re-planned
-    # again under its own peak.
     """
+    # Note [re-planning from the profiles alone]
+    # The new plan comes from the profiles alone (no measured check, which would need memory):
+    # the retried step is its check, and a plan that still runs out is re-planned again under
+    # its own peak.
     from memfit.checkpointing import checkpointed_blocks
     from memfit.planning.choose import plan_from_profiles
 
