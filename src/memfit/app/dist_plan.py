@@ -43,6 +43,7 @@ from memfit.records import Plan
 from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
 from memfit.trainer.distributed import DistContext, local_batch
+from memfit.vocab import PrecisionChoice, PrecisionName
 
 __all__ = ["gather_ranks", "plan_for_ranks", "rank_notes"]
 
@@ -53,7 +54,7 @@ def _plan_rank(
     loss_fn: LossFn,
     budget: Budget,
     optimizer: torch.optim.Optimizer | None,
-    precision: str,
+    precision: PrecisionChoice,
     ctx: DistContext,
 ) -> Plan:
     device = model_device(model)
@@ -83,7 +84,7 @@ def plan_for_ranks(
     loss_fn: LossFn,
     budget: str | int,
     optimizer: torch.optim.Optimizer | None,
-    precision: str,
+    precision: PrecisionChoice,
     ctx: DistContext,
 ) -> Plan:
     """The plan every rank runs: made on rank 0 for one rank's memory, then broadcast.
@@ -130,7 +131,7 @@ def plan_for_ranks(
 
 
 def gather_ranks(
-    model: nn.Module, precision: str, micro_batches: int, peak_bytes: int | None, ctx: DistContext
+    model: nn.Module, precision: PrecisionName, micro_batches: int, peak_bytes: int | None, ctx: DistContext
 ) -> list[dict[str, Any]]:
     """Every rank's applied checkpointing and segments, precision, micro-batches and measured
     peak (all ranks call it).

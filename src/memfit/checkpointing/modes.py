@@ -88,7 +88,7 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
     return run_checkpointed(inner, module, layer.mode, args, kwargs)
 
 
-def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
+def checkpoint_contexts(module: nn.Module, mode: CheckpointMode = "full") -> tuple[Any, Any]:
     """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
     (segments): selective's policy for ``selective``, BatchNorm running statistics kept
     through the recompute. Unlike a block's own checkpoint (:mod:`memfit.checkpointing.recompute`), they

@@ -20,7 +20,9 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
-__all__ = ["SAVE_OPS", "keep_running_stats", "selective_policy", "selective_saves"]
+from memfit.vocab import CheckpointMode
+
+__all__ = ["SAVE_OPS", "compiled_contexts", "keep_running_stats", "selective_policy", "selective_saves"]
 
 _aten = torch.ops.aten
 # Note [what selective checkpointing saves]
@@ -55,7 +57,7 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.Ch
     )
 
 
-def compiled_contexts(mode: str) -> dict[str, Any]:
+def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:
     """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none."""
     # Note [checkpointing under torch.compile]
     # Under torch.compile a checkpointed region becomes one higher-order op whose backward the

@@ -54,6 +54,7 @@ from memfit.checkpointing.policy import (
 )
 from memfit.devices import model_device
 from memfit.errors import CheckpointError
+from memfit.vocab import CheckpointMode
 
 __all__ = ["copies_made", "run_checkpointed"]
 
@@ -112,7 +113,7 @@ class _BlockCall:
     """The state of one call: what the recompute starts from, and the copies made for it."""
 
     def __init__(
-        self, inner: Callable[..., Any], module: nn.Module, mode: str, args: Any, kwargs: Any
+        self, inner: Callable[..., Any], module: nn.Module, mode: CheckpointMode, args: Any, kwargs: Any
     ) -> None:
         self.inner, self.module, self.selective = inner, module, mode == "selective"
         self.call: tuple[Any, Any] | None = (args, kwargs)  # the forward runs on the caller's objects
@@ -243,7 +244,11 @@ class _Replay(TorchDispatchMode):
 
 
 def run_checkpointed(
-    inner: Callable[..., Any], module: nn.Module, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    inner: Callable[..., Any],
+    module: nn.Module,
+    mode: CheckpointMode,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """Run ``inner(*args, **kwargs)`` (the block's forward) under non-reentrant checkpointing.
 

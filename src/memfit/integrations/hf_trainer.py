@@ -38,7 +38,7 @@ from memfit.errors import ConfigError
 from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import mode_counts
-from memfit.vocab import normalize_precision
+from memfit.vocab import PrecisionChoice, normalize_precision
 
 __all__ = ["dict_loss", "one_batch", "plan_for_trainer", "prepare_trainer"]
 
@@ -155,7 +155,7 @@ def plan_for_trainer(
     train_dataset: Any,
     budget: int | str | Budget,
     data_collator: Callable[[list[Any]], Any] | None = None,
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> tuple[Plan, Any]:
     """:func:`prepare_trainer`, returning the :class:`memfit.Plan` as well as the new arguments.
 
@@ -211,7 +211,7 @@ def prepare_trainer(
     train_dataset: Any,
     budget: int | str | Budget,
     data_collator: Callable[[list[Any]], Any] | None = None,
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> Any:
     """Plan ``model`` for the Hugging Face ``Trainer`` to ``budget``; return the ``TrainingArguments`` to use.
 

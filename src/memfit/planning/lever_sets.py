@@ -36,7 +36,7 @@ from memfit.planning.choose import plan_from_profiles
 from memfit.records import EstimateEntry, Plan, Profile
 from memfit.stepmodel import simulate
 from memfit.stepmodel.levers import with_levers
-from memfit.vocab import LEVERS
+from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [
     "lever_profiles",
@@ -70,10 +70,10 @@ def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
 
 
 def resolve_levers(
-    levers: str | Sequence[str] | None,
+    levers: str | Sequence[LeverName] | None,
     device: torch.device,
     optimizer: torch.optim.Optimizer | None,
-    precision: str | Sequence[str],
+    precision: PrecisionChoice | Sequence[PrecisionName],
 ) -> tuple[list[str], dict[str, str]]:
     """The levers a plan may use, and ``{lever: why not}`` for those of ``"all"`` that cannot run.
 

@@ -51,7 +51,7 @@ from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import simulate
-from memfit.vocab import CHECKPOINT_MODES, MAXIMIZE, Maximize, PrecisionChoice, PrecisionName
+from memfit.vocab import CHECKPOINT_MODES, MAXIMIZE, LeverName, Maximize, PrecisionChoice, PrecisionName
 
 __all__ = ["plan"]
 
@@ -273,7 +273,7 @@ def _request(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     precision: PrecisionChoice | Sequence[PrecisionName],
-    levers: str | Sequence[str] | None,
+    levers: str | Sequence[LeverName] | None,
     budget: int | str | Budget,
 ) -> _Request:
     device = model_device(model)
@@ -330,7 +330,7 @@ def _plan_batch(
     *,
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
-    levers: str | Sequence[str] | None = None,
+    levers: str | Sequence[LeverName] | None = None,
     verify: bool = False,
 ) -> Plan:
     """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
@@ -376,7 +376,7 @@ def plan(
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
     maximize: Maximize | None = None,
-    levers: str | Sequence[str] | None = None,
+    levers: str | Sequence[LeverName] | None = None,
     verify: bool = False,
 ) -> Plan:
     """The fastest plan whose step peak fits ``budget`` (per-block checkpointing and segments,

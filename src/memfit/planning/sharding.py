@@ -44,6 +44,7 @@ import math
 
 from memfit.errors import ConfigError
 from memfit.records import Profile
+from memfit.vocab import DistributedMode
 
 __all__ = ["rank_profile", "replicate_profile", "shard_profile"]
 
@@ -126,7 +127,7 @@ def replicate_profile(profile: Profile) -> Profile:
     return out
 
 
-def rank_profile(profile: Profile, mode: str, world_size: int) -> Profile:
+def rank_profile(profile: Profile, mode: DistributedMode, world_size: int) -> Profile:
     """One rank's profile for ``mode``: ``"ddp"`` (:func:`replicate_profile`), ``"fsdp2"``
     (:func:`shard_profile`) or ``"none"`` (the profile itself)."""
     if mode == "ddp":

@@ -32,7 +32,7 @@ from torch import nn
 
 from memfit.errors import ConfigError
 from memfit.step import Batch
-from memfit.vocab import DISTRIBUTED_MODES
+from memfit.vocab import DISTRIBUTED_MODES, DistributedMode
 
 __all__ = [
     "DistContext",
@@ -50,7 +50,7 @@ __all__ = [
 class DistContext:
     """Where this process stands in the run."""
 
-    mode: str = "none"
+    mode: DistributedMode = "none"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -68,7 +68,7 @@ class DistContext:
         return self.mode != "none"
 
 
-def init_distributed(mode: str, device: torch.device) -> tuple[DistContext, torch.device]:
+def init_distributed(mode: DistributedMode, device: torch.device) -> tuple[DistContext, torch.device]:
     """Join the process group ``torchrun`` set up (gloo on a CPU, NCCL on GPUs).
 
     Args:

@@ -40,6 +40,7 @@ from memfit.errors import ConfigError
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
 from memfit.trainer.state import capture_rng, restore_rng
+from memfit.vocab import CheckpointMode, PrecisionName
 
 __all__ = [
     "OomConfig",
@@ -180,8 +181,8 @@ def failed_peak(
     plan: Plan | None,
     last_tracked: int | None,
     profiles: Mapping[str, Profile],
-    precision: str,
-    modes: Mapping[str, str],
+    precision: PrecisionName,
+    modes: Mapping[str, CheckpointMode],
     micro_batches: int,
 ) -> int:
     """The peak of the configuration that ran out of memory, as well as it is known.
@@ -219,7 +220,7 @@ def replan(
     batch: Any,
     loss_fn: Any,
     optimizer: torch.optim.Optimizer,
-    precision: str,
+    precision: PrecisionName,
     plan: Plan | None,
     micro_batches: int,
     last_tracked: int | None,

@@ -51,6 +51,7 @@ from memfit.trainer.oom import (
     refusal,
     replan,
 )
+from memfit.vocab import PrecisionChoice
 
 __all__ = ["StepOutcome", "Stepper", "check_plan_applied", "to_device"]
 
@@ -76,7 +77,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def check_plan_applied(
-    model: nn.Module, plan: Plan, precision: str | Precision | None, micro_batches: int | None
+    model: nn.Module, plan: Plan, precision: PrecisionChoice | Precision | None, micro_batches: int | None
 ) -> None:
     """Refuse arguments that contradict ``plan`` (the Trainer applies the plan itself, with
     :func:`memfit.prepare`).
@@ -107,7 +108,7 @@ class Stepper:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        precision: str | Precision | None = None,
+        precision: PrecisionChoice | Precision | None = None,
         plan: Plan | None = None,
         *,
         micro_batches: int | None = None,
@@ -127,12 +128,13 @@ class Stepper:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = model_device(model)
+        asked: str | Precision = "auto" if precision is None else precision
         if plan is not None:
             check_plan_applied(model, plan, precision, micro_batches)
-            precision = precision if precision is not None else plan.precision
+            asked = precision if precision is not None else plan.precision
             micro_batches = micro_batches if micro_batches is not None else plan.micro_batches
         self.plan = plan
-        self.precision = as_precision(precision if precision is not None else "auto", device=self.device)
+        self.precision = as_precision(asked, device=self.device)
         if self.precision.fp32_modules:
             self.precision.attach(model)
         self.micro_batches = 1 if micro_batches is None else int(micro_batches)
