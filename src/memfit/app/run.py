@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +47,10 @@ from memfit.errors import StateError
 from memfit.records import StepMetrics
 from memfit.trainer.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.trainer.distributed import DistContext, init_distributed, shutdown_distributed
-from memfit.trainer.signals import STOP_REASONS, graceful_stop
+from memfit.trainer.signals import graceful_stop
 from memfit.trainer.trainer import Trainer
 
-__all__ = ["INTERRUPTED", "TrainRun", "train_from_config"]
-
-#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.trainer.signals.STOP_REASONS`).
-INTERRUPTED = STOP_REASONS[signal.SIGINT]
+__all__ = ["TrainRun", "train_from_config"]
 
 
 @dataclass

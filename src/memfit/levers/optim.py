@@ -38,10 +38,8 @@ from memfit.errors import LeverRefused
 from memfit.levers.spec import ADAM_LIKE, torchao_available
 from memfit.vocab import WEIGHTS
 
-__all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer"]
+__all__ = ["is_lever_optimizer", "lever_optimizer"]
 
-#: State kinds: fp32 (unchanged), bf16, 8bit, 4bit.
-KINDS = (*WEIGHTS, "8bit", "4bit")
 _BLOCK = ("8bit", "4bit")
 #: torch.optim flags torchao's optimizers do not take (memfit drops the speed-only ones).
 _DROPPED = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay")

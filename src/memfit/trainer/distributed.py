@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.step import Batch
 from memfit.vocab import DISTRIBUTED_MODES, DistributedMode
@@ -160,7 +161,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
     ``fully_shard`` keeps), so the same plan works with and without sharding.
     """
     if ctx.mode == "ddp":
-        device_ids = [ctx.local_rank] if next(model.parameters()).is_cuda else None
+        device_ids = [ctx.local_rank] if model_device(model).type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if ctx.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard

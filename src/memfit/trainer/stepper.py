@@ -77,7 +77,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def check_plan_applied(
-    model: nn.Module, plan: Plan, precision: PrecisionChoice | Precision | None, micro_batches: int | None
+    plan: Plan, precision: PrecisionChoice | Precision | None, micro_batches: int | None
 ) -> None:
     """Refuse arguments that contradict ``plan`` (the Trainer applies the plan itself, with
     :func:`memfit.prepare`).
@@ -130,7 +130,7 @@ class Stepper:
         self.device = model_device(model)
         asked: str | Precision = "auto" if precision is None else precision
         if plan is not None:
-            check_plan_applied(model, plan, precision, micro_batches)
+            check_plan_applied(plan, precision, micro_batches)
             asked = precision if precision is not None else plan.precision
             micro_batches = micro_batches if micro_batches is not None else plan.micro_batches
         self.plan = plan
