@@ -58,9 +58,10 @@ def check_plan_fits(model: nn.Module, plan: Plan) -> None:
     if plan.micro_batches < 1:
         raise ConfigError(f"the plan's micro_batches must be at least 1, got {plan.micro_batches}.")
     if plan.blocks and plan.predicted_peak_bytes > 0:
-        # NOTE: a plan the planner made (it has a prediction) covers every block it found; one
-        # that covers only some of this model's blocks was made for a smaller model and would
-        # leave the rest silently unplanned. A hand-written Plan may name only some blocks.
+        # Note [plans that name only some blocks]
+        # A plan the planner made (it has a prediction) covers every block it found; one that
+        # covers only some of this model's blocks was made for a smaller model and would leave
+        # the rest silently unplanned. A hand-written Plan may name only some blocks.
         try:
             blocks = find_blocks(model)
         except MemfitError:

@@ -48,7 +48,7 @@ from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.vocab import normalize_modes
+from memfit.vocab import CheckpointMode, normalize_modes
 
 __all__ = ["Prepared", "planned_step", "prepare", "prepared", "train_step"]
 
@@ -63,12 +63,13 @@ class Prepared:
     model: weakref.ref[nn.Module]
 
 
-# NOTE: keyed by the optimizer (weakly): the scaler's state must live from step to step,
-# and the optimizer is the one object a loop passes to every step that is its own.
+# Note [prepared state keyed by the optimizer]
+# Keyed by the optimizer (weakly): the scaler's state must live from step to step, and the
+# optimizer is the one object a loop passes to every step that is its own.
 _PREPARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Prepared] = weakref.WeakKeyDictionary()
 
 
-def _planned_modes(plan: Plan) -> dict[str, str]:
+def _planned_modes(plan: Plan) -> dict[str, CheckpointMode]:
     return {n: m for n, m in normalize_modes(plan.blocks).items() if m != "none"}
 
 

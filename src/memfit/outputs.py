@@ -134,7 +134,7 @@ def write_text(path: str | os.PathLike[str], text: str, what: str) -> Path:
         p.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
         try:
-            os.fchmod(fd, 0o644)  # NOTE: mkstemp makes 0600; an output file is for reading
+            os.fchmod(fd, 0o644)  # mkstemp makes 0600; an output file is for reading
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, p)

@@ -30,11 +30,11 @@ from torch.utils._pytree import tree_map
 from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.vocab import PRECISION_CHOICES
+from memfit.vocab import PrecisionName, normalize_precision
 
 __all__ = ["DTYPES", "Precision"]
 
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[PrecisionName, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
@@ -77,11 +77,11 @@ class Precision:
         facts = device_facts(device)
         self.device = torch.device(facts.name)
         self.facts = facts
-        if not isinstance(mode, str) or mode not in PRECISION_CHOICES:
-            raise UnsupportedPrecision(
-                f"unknown precision {mode!r}; use one of {', '.join(PRECISION_CHOICES)}."
-            )
-        if mode == "auto":
+        try:
+            choice = normalize_precision(mode, allow_auto=True)
+        except ConfigError as exc:
+            raise UnsupportedPrecision(str(exc)) from None
+        if choice == "auto":
             mode = recommend_precision(facts)
             if mode == "bf16":
                 self.reason = f"{facts.description} computes bf16 natively"
@@ -90,6 +90,7 @@ class Precision:
             else:
                 self.reason = f"{facts.description} has no native bf16 or fp16, so fp32 is fastest"
         else:
+            mode = choice
             self.reason = "asked for"
         if mode == "bf16" and not facts.bf16_runs:
             raise UnsupportedPrecision(
@@ -100,7 +101,7 @@ class Precision:
             raise UnsupportedPrecision(
                 f"{facts.description} ({facts.name}) cannot run fp16; use 'bf16' or 'fp32'."
             )
-        self.mode: str = mode
+        self.mode: PrecisionName = mode
         self.dtype: torch.dtype = DTYPES[mode]
         self.fp32_modules: tuple[str | type[nn.Module], ...] = tuple(fp32_modules)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=mode == "fp16")

@@ -78,7 +78,7 @@ def decode(tp: Any, value: Any, where: str = "value") -> Any:
         return value
     if tp is int:
         if isinstance(value, float) and value.is_integer():
-            return int(value)  # NOTE: JSON writers may write 3.0 for 3
+            return int(value)  # JSON writers may write 3.0 for 3
         if not isinstance(value, int) or isinstance(value, bool):
             raise _bad(where, tp, value)
         return value

@@ -387,7 +387,7 @@ def _parse_value(text: str) -> Any:
     try:
         return tomllib.loads(f"v = {text}")["v"]
     except (tomllib.TOMLDecodeError, ValueError, RecursionError, KeyError):
-        # NOTE: ValueError: an integer of more than 4300 digits; KeyError: text that is a
+        # ValueError: an integer of more than 4300 digits; KeyError: text that is a
         # whole TOML document of its own ("1\n[v]" defines no key v).
         return text
 
@@ -479,7 +479,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
     try:
         tree = tomllib.loads(text.decode("utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
-        # NOTE: ValueError is TOMLDecodeError, or an integer of more than 4300 digits
+        # ValueError is TOMLDecodeError, or an integer of more than 4300 digits
         raise ConfigError(f"{where} is not valid TOML: {shown(str(exc).rstrip('.'), 200)[1:-1]}.") from None
     except RecursionError:
         raise _too_deep(where, MAX_DEPTH) from None

@@ -43,6 +43,7 @@ from memfit.records import Plan
 from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
 from memfit.trainer.distributed import DistContext, local_batch
+from memfit.vocab import PrecisionChoice, PrecisionName
 
 __all__ = ["gather_ranks", "plan_for_ranks", "rank_notes"]
 
@@ -53,7 +54,7 @@ def _plan_rank(
     loss_fn: LossFn,
     budget: Budget,
     optimizer: torch.optim.Optimizer | None,
-    precision: str,
+    precision: PrecisionChoice,
     ctx: DistContext,
 ) -> Plan:
     device = model_device(model)
@@ -66,7 +67,8 @@ def _plan_rank(
     base = ranked.get("fp32")
     baseline = simulate(base, "none").peak_bytes if base is not None else 0
     seconds = base.step_seconds if base is not None else 0.0
-    # NOTE: read before sharding: what this rank holds now plus its room (conservative)
+    # Read before sharding: what this rank holds now plus its room (conservative).
+    # See Note [room before the snapshot]
     budget_bytes = resolve_in_room(budget, baseline, room(device), held_bytes(model, optimizer), device)
     result = plan_from_profiles({p: ranked[p] for p in wanted}, budget_bytes, baseline, seconds)
     result.notes.append(
@@ -82,7 +84,7 @@ def plan_for_ranks(
     loss_fn: LossFn,
     budget: str | int,
     optimizer: torch.optim.Optimizer | None,
-    precision: str,
+    precision: PrecisionChoice,
     ctx: DistContext,
 ) -> Plan:
     """The plan every rank runs: made on rank 0 for one rank's memory, then broadcast.
@@ -111,7 +113,7 @@ def plan_for_ranks(
             chosen = _plan_rank(model, part, loss_fn, spec, optimizer, precision, ctx)
             payload[0] = {"plan": chosen.to_dict()}
         except MemfitError as exc:
-            # NOTE: every rank must leave the broadcast, with the same error, or the others hang.
+            # Every rank must leave the broadcast, with the same error, or the others hang.
             payload[0] = {
                 "error": str(exc),
                 "infeasible": isinstance(exc, InfeasibleBudget),
@@ -129,7 +131,7 @@ def plan_for_ranks(
 
 
 def gather_ranks(
-    model: nn.Module, precision: str, micro_batches: int, peak_bytes: int | None, ctx: DistContext
+    model: nn.Module, precision: PrecisionName, micro_batches: int, peak_bytes: int | None, ctx: DistContext
 ) -> list[dict[str, Any]]:
     """Every rank's applied checkpointing and segments, precision, micro-batches and measured
     peak (all ranks call it).

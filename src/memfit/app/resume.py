@@ -116,7 +116,7 @@ def _check_same_run(saved: dict[str, Any], now: dict[str, Any], path: Path) -> N
         if not _must_match(key) or key not in saved:
             continue
         if key == "train.distributed" and after == "none" and "train.distributed" not in saved:
-            continue  # NOTE: a state saved before train.distributed existed: one process
+            continue  # a state saved before train.distributed existed: one process
         if saved[key] != after:
             raise _refuse(path, key, saved[key], after)
 

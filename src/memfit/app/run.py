@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,13 +47,10 @@ from memfit.errors import StateError
 from memfit.records import StepMetrics
 from memfit.trainer.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.trainer.distributed import DistContext, init_distributed, shutdown_distributed
-from memfit.trainer.signals import STOP_REASONS, graceful_stop
+from memfit.trainer.signals import graceful_stop
 from memfit.trainer.trainer import Trainer
 
-__all__ = ["INTERRUPTED", "TrainRun", "train_from_config"]
-
-#: ``Trainer.stop_reason`` after a Ctrl-C (SIGTERM and SIGHUP: :data:`memfit.trainer.signals.STOP_REASONS`).
-INTERRUPTED = STOP_REASONS[signal.SIGINT]
+__all__ = ["TrainRun", "train_from_config"]
 
 
 @dataclass
@@ -111,8 +107,9 @@ def train_from_config(
         cfg = resumed.cfg if resumed is not None else cfg
     device = check_run(cfg, resume, overwrite)
     out = Path(cfg.train.out)
-    # NOTE: every rank checks the files above before joining the process group, so no rank
-    # can have written anything yet.
+    # Note [checks before the group]
+    # Every rank checks the files above before joining the process group, so no rank can
+    # have written anything yet.
     dist_ctx, device = init_distributed(cfg.train.distributed, device)
     finished = False
     try:
@@ -148,7 +145,7 @@ def _train_joined(
     save = SaveState(files["state"], cfg.train.checkpoint_every, built.sampler, {"config": cfg.to_dict()})
     log = MetricsLog(files["metrics"], keep_until=resumed_from) if dist_ctx.is_main else None
     if log is None:
-        # NOTE: other ranks only take part in saving (FSDP2 shards); rank 0 writes the rest.
+        # Other ranks only take part in saving (FSDP2 shards); rank 0 writes the rest.
         trainer.callbacks.append(save)
     else:
         quiet_bar = not trainer.progress_enabled() and progress is not False

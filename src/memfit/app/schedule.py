@@ -17,11 +17,13 @@ import math
 
 import torch
 
+from memfit.vocab import Schedule
+
 __all__ = ["lr_schedule"]
 
 
 def lr_schedule(
-    optimizer: torch.optim.Optimizer, steps: int, warmup_steps: int = 0, kind: str = "cosine"
+    optimizer: torch.optim.Optimizer, steps: int, warmup_steps: int = 0, kind: Schedule = "cosine"
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """Warm up linearly over ``warmup_steps``, then decay by cosine to 10% (or stay constant).
 

@@ -73,7 +73,7 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
             f"{str(out)!r} already holds a training run; continue it with --resume, start over with "
             "--overwrite, or set train.out to another directory."
         )
-    state_key()  # NOTE: a key that cannot be read is refused now, not at the first save
+    state_key()  # a key that cannot be read is refused now, not at the first save
     device = resolve_device(cfg.train.device)
     budget = Budget.parse(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
     if budget is not None and budget.bytes is not None:  # nothing is built yet: all of it is room
@@ -142,7 +142,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
         MemfitError: a bad data path, model factory, or a budget nothing fits (one sentence).
     """
     budget_text = cfg.memory.budget
-    # NOTE: a percentage is of the fp32 no-checkpointing peak: the planner measures it.
+    # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
     budget = Budget.parse(budget_text, what="memory.budget").bytes if budget_text else None
     precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
     torch.manual_seed(cfg.train.seed)
@@ -155,7 +155,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     chosen: Plan | None = None
     profiles: dict[str, Profile] = {}
     if cfg.memory.checkpointing == "auto" and dist_ctx.active:
-        # NOTE: planned on rank 0 for one rank's memory; every rank gets the same plan.
+        # Planned on rank 0 for one rank's memory; every rank gets the same plan.
         chosen = plan_for_ranks(
             model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision, dist_ctx
         )
@@ -179,8 +179,9 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
     if dist_ctx.active:
-        # NOTE: wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and
-        # build the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
+        # Note [wrap after checkpointing]
+        # Wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and build
+        # the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
         model = wrap_model(model, dist_ctx, find_blocks(model))
         opt = cfg.optimizer.make(model.parameters())
     trainer = Trainer(

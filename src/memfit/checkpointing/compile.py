@@ -39,7 +39,7 @@ def is_compiled(model: nn.Module) -> bool:
     ``torch.compile(model)`` returns."""
     if type(model).__name__ == "OptimizedModule":
         return True
-    # NOTE: nn.Module.compile() stores the compiled call here; nothing public says so.
+    # nn.Module.compile() stores the compiled call here; nothing public says so.
     return getattr(model, "_compiled_call_impl", None) is not None
 
 
@@ -56,14 +56,13 @@ def compile_in_place(model: nn.Module, **options: Any) -> nn.Module:
 
 @contextlib.contextmanager
 def eager() -> Iterator[None]:
-    """Run compiled models eagerly in the body (measuring, planning).
-
-    # NOTE: two reasons. A plan is made from the eager step (what MemTracker can see), and
-    # dynamo must not be entered while a measurement's dispatch modes are active: it skips
-    # the frame and, measured on torch 2.13, does not compile it again after the model is
-    # checkpointed, so the compiled model silently kept its un-checkpointed graph.
-    # torch.compiler.set_stance exists from torch 2.6; before it, nothing to do here.
-    """
+    """Run compiled models eagerly in the body (measuring, planning)."""
+    # Note [measuring compiled models eagerly]
+    # Two reasons. A plan is made from the eager step (what MemTracker can see), and dynamo
+    # must not be entered while a measurement's dispatch modes are active: it skips the frame
+    # and, measured on torch 2.13, does not compile it again after the model is checkpointed,
+    # so the compiled model silently kept its un-checkpointed graph.
+    # torch.compiler.set_stance exists from torch 2.6; before it, there is nothing to do.
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         yield

@@ -40,14 +40,13 @@ def is_hf_cache(obj: Any) -> bool:
 def without_caches(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
-    """A block call's arguments with its caches turned off, and the names of what was changed.
-
-    # NOTE: a Hugging Face decoder block appends this step's keys and values to the cache it
-    # is given. Recomputed in backward, it would append them a second time (the cache
-    # doubles, and the recompute attends to it: different results, or shape errors). Hugging
-    # Face's own ``GradientCheckpointingLayer`` passes ``use_cache=False`` and no cache to a
+    """A block call's arguments with its caches turned off, and the names of what was changed."""
+    # Note [caches off in a recompute]
+    # A Hugging Face decoder block appends this step's keys and values to the cache it is
+    # given. Recomputed in backward, it would append them a second time (the cache doubles,
+    # and the recompute attends to it: different results, or shape errors). Hugging Face's
+    # own ``GradientCheckpointingLayer`` passes ``use_cache=False`` and no cache to a
     # checkpointed layer while training; memfit does the same. Training never reads the cache.
-    """
     changed: list[str] = []
     out = dict(kwargs)
     if out.get("use_cache") is True:

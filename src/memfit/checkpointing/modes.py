@@ -81,13 +81,14 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
             type(module).__name__,
             ", ".join(changed),
         )
-    # NOTE: non-reentrant checkpointing replays the RNG state (dropout masks match) and
+    # Note [what a recompute replays]
+    # Non-reentrant checkpointing replays the RNG state (dropout masks match) and
     # records the autocast state, so the recompute runs at the forward's precision;
     # run_checkpointed makes the recompute start from what the forward started from.
     return run_checkpointed(inner, module, layer.mode, args, kwargs)
 
 
-def checkpoint_contexts(module: nn.Module, mode: str = "full") -> tuple[Any, Any]:
+def checkpoint_contexts(module: nn.Module, mode: CheckpointMode = "full") -> tuple[Any, Any]:
     """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
     (segments): selective's policy for ``selective``, BatchNorm running statistics kept
     through the recompute. Unlike a block's own checkpoint (:mod:`memfit.checkpointing.recompute`), they

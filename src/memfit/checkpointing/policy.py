@@ -20,10 +20,13 @@ import torch
 from torch import nn
 from torch.utils import checkpoint as _ckpt
 
-__all__ = ["SAVE_OPS", "keep_running_stats", "selective_policy", "selective_saves"]
+from memfit.vocab import CheckpointMode
+
+__all__ = ["SAVE_OPS", "compiled_contexts", "keep_running_stats", "selective_policy", "selective_saves"]
 
 _aten = torch.ops.aten
-# NOTE: selective checkpointing keeps the outputs of the ops whose recompute is expensive
+# Note [what selective checkpointing saves]
+# Selective checkpointing keeps the outputs of the ops whose recompute is expensive
 # (matmuls, attention kernels, convolutions) and recomputes everything else. Norms,
 # activations and elementwise ops are memory-bound: recomputing them costs little time but
 # their outputs are as large as a matmul's. This is the policy torchtitan and the PyTorch
@@ -54,17 +57,16 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.Ch
     )
 
 
-def compiled_contexts(mode: str) -> dict[str, Any]:
-    """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none.
-
-    # NOTE: under torch.compile a checkpointed region becomes one higher-order op whose
-    # backward the AOT partitioner builds from a functionalized graph. The compiler accepts
-    # no context_fn but PyTorch's selective-checkpoint dispatch modes, and needs none of
-    # memfit's eager contexts: buffer mutations (BatchNorm statistics) are applied once after
-    # the forward and never recomputed; in-place ops are functionalized, so a recompute
-    # always starts from the values the forward saw; RNG is replayed by the compiler.
-    # tests/test_compile.py checks each of these against the plain compiled model.
-    """
+def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:
+    """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none."""
+    # Note [checkpointing under torch.compile]
+    # Under torch.compile a checkpointed region becomes one higher-order op whose backward the
+    # AOT partitioner builds from a functionalized graph. The compiler accepts no context_fn
+    # but PyTorch's selective-checkpoint dispatch modes, and needs none of memfit's eager
+    # contexts: buffer mutations (BatchNorm statistics) are applied once after the forward and
+    # never recomputed; in-place ops are functionalized, so a recompute always starts from the
+    # values the forward saw; RNG is replayed by the compiler. tests/test_compile.py checks
+    # each of these against the plain compiled model.
     if mode == "selective":
         return {"context_fn": functools.partial(_ckpt.create_selective_checkpoint_contexts, selective_policy)}
     return {}

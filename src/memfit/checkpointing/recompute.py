@@ -54,6 +54,7 @@ from memfit.checkpointing.policy import (
 )
 from memfit.devices import model_device
 from memfit.errors import CheckpointError
+from memfit.vocab import CheckpointMode
 
 __all__ = ["copies_made", "run_checkpointed"]
 
@@ -112,7 +113,7 @@ class _BlockCall:
     """The state of one call: what the recompute starts from, and the copies made for it."""
 
     def __init__(
-        self, inner: Callable[..., Any], module: nn.Module, mode: str, args: Any, kwargs: Any
+        self, inner: Callable[..., Any], module: nn.Module, mode: CheckpointMode, args: Any, kwargs: Any
     ) -> None:
         self.inner, self.module, self.selective = inner, module, mode == "selective"
         self.call: tuple[Any, Any] | None = (args, kwargs)  # the forward runs on the caller's objects
@@ -181,9 +182,10 @@ class _BlockCall:
                     "modified in place after the block's forward returned, so its recompute would "
                     "start from different values; do not checkpoint this block (mode 'none')."
                 )
-        # NOTE: this runs under the recompute's enable_grad, before the selective-checkpoint
-        # replay mode is entered (it must not count this clone as one of the block's ops). An
-        # in-place op on a leaf that requires grad is an error, hence a non-leaf copy.
+        # Note [grad-requiring copies]
+        # This runs under the recompute's enable_grad, before the selective-checkpoint replay
+        # mode is entered (it must not count this clone as one of the block's ops). An in-place
+        # op on a leaf that requires grad is an error, hence a non-leaf copy.
         for i, requires_grad in self.copied.items():
             if requires_grad:
                 self.leaves[i] = self.leaves[i].detach().requires_grad_(True).clone()
@@ -242,7 +244,11 @@ class _Replay(TorchDispatchMode):
 
 
 def run_checkpointed(
-    inner: Callable[..., Any], module: nn.Module, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    inner: Callable[..., Any],
+    module: nn.Module,
+    mode: CheckpointMode,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """Run ``inner(*args, **kwargs)`` (the block's forward) under non-reentrant checkpointing.
 
@@ -263,9 +269,11 @@ def run_checkpointed(
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:
         device = model_device(module)
-    # NOTE: the inputs reach the recompute through ``call``, not through checkpoint's own
-    # arguments (it would refuse inputs the block itself overwrote). An empty tensor on the
-    # inputs' device still tells checkpoint which device's RNG and autocast state to replay.
+    # Note [the anchor tensor]
+    # The inputs reach the recompute through ``call``, not through checkpoint's own arguments
+    # (it would refuse inputs the block itself overwrote). An empty tensor on the inputs'
+    # device still tells checkpoint which device's RNG and autocast state to replay.
+    # See Note [what a recompute replays]
     anchor = torch.empty(0, device=device)
     return _ckpt.checkpoint(
         call,
@@ -279,9 +287,10 @@ def run_checkpointed(
 def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     """``context_fn``: PyTorch enters the first context around the forward and the second
     around the recompute in backward (with the forward's RNG and autocast state restored).
-
-    # NOTE: how the contexts stack. Dispatch modes stack: the one entered last sees each op
-    # first, and what it passes on (``func(*args)``) reaches the next one down.
+    """
+    # Note [how the contexts stack]
+    # Dispatch modes stack: the one entered last sees each op first, and what it passes on
+    # (``func(*args)``) reaches the next one down.
     #   forward    _Watch, then SAC's caching mode (selective only): SAC decides what to keep
     #              and passes every op down to the watch, which sees them in SAC's order,
     #              copies what an in-place op is about to overwrite, and whose copies SAC
@@ -290,7 +299,7 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     #              statistics put back afterwards, SAC's cached mode, then _Replay on top: it
     #              sees each op first and swaps a copy-on-write copy in for what SAC returns.
     # Full checkpointing uses the same contexts without the SAC modes and _Replay.
-    """
+    # See Note [grad-requiring copies]
     if not call.selective:
         return _forward(call, None), _Reentrant(functools.partial(_recompute, call, None))
     caching, cached = _ckpt.create_selective_checkpoint_contexts(

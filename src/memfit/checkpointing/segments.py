@@ -100,9 +100,9 @@ def _head(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs:
     if not torch.is_grad_enabled() or not args:
         seg.clear()  # nothing to save for a backward: every block runs as it is
         return inner(*args, **kwargs)
-    # NOTE: Hugging Face caches off while training, as for a block checkpointed alone
-    # (memfit.checkpointing.hf): the recompute would append to them again. The later blocks are
-    # still matched against the arguments the model passed.
+    # Hugging Face caches off while training, as for a block checkpointed alone; the later
+    # blocks are still matched against the arguments the model passed.
+    # See Note [caches off in a recompute]
     run_args, run_kwargs, _ = without_caches(args, kwargs)
     compiling = torch.compiler.is_compiling()
     contexts = compiled_contexts("full") if compiling else {"context_fn": lambda: _contexts(seg)}

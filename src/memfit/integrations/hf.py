@@ -34,6 +34,7 @@ from torch import nn
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.hf import hf_checkpointing_active
 from memfit.errors import ConfigError
+from memfit.vocab import PrecisionChoice
 
 __all__ = [
     "build_hf_causal_lm",
@@ -194,7 +195,7 @@ def prepare(
     train_dataset: Any,
     budget: int | str,
     data_collator: Any | None = None,
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> Any:
     """Plan ``model`` for the Hugging Face ``Trainer``; returns the ``TrainingArguments`` to use.
 

@@ -38,7 +38,7 @@ from memfit.errors import ConfigError
 from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import mode_counts
-from memfit.vocab import normalize_precision
+from memfit.vocab import PrecisionChoice, normalize_precision
 
 __all__ = ["dict_loss", "one_batch", "plan_for_trainer", "prepare_trainer"]
 
@@ -155,7 +155,7 @@ def plan_for_trainer(
     train_dataset: Any,
     budget: int | str | Budget,
     data_collator: Callable[[list[Any]], Any] | None = None,
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> tuple[Plan, Any]:
     """:func:`prepare_trainer`, returning the :class:`memfit.Plan` as well as the new arguments.
 
@@ -184,7 +184,7 @@ def plan_for_trainer(
         gradient_accumulation_steps=chosen.micro_batches,
         bf16=chosen.precision == "bf16",
         fp16=chosen.precision == "fp16",
-        # NOTE: transformers runs bf16 on a CPU (one with AVX512-BF16 or AMX) only with use_cpu set
+        # transformers runs bf16 on a CPU (one with AVX512-BF16 or AMX) only with use_cpu set
         use_cpu=args.use_cpu or (chosen.precision == "bf16" and args.device.type == "cpu"),
     )
     counts = ", ".join(f"{n} {m}" for m, n in sorted(mode_counts(chosen.blocks.values()).items()))
@@ -211,7 +211,7 @@ def prepare_trainer(
     train_dataset: Any,
     budget: int | str | Budget,
     data_collator: Callable[[list[Any]], Any] | None = None,
-    precision: str = "auto",
+    precision: PrecisionChoice = "auto",
 ) -> Any:
     """Plan ``model`` for the Hugging Face ``Trainer`` to ``budget``; return the ``TrainingArguments`` to use.
 

@@ -40,7 +40,7 @@ from memfit.errors import ConfigError
 from memfit.records import Plan
 from memfit.step import batch_size
 
-try:  # NOTE: the class must derive from Lightning's Callback; without lightning it is unusable.
+try:  # the class must derive from Lightning's Callback; without lightning it is unusable.
     from lightning.pytorch import Callback as _Callback
 except ImportError:  # pragma: no cover - depends on the environment
     try:
@@ -121,7 +121,7 @@ class MemfitCallback(_Callback):
         if stage != "fit":
             return
         self._check_trainer(trainer)
-        # NOTE: layers built by configure_model (after setup) get the plan in on_fit_start.
+        # Layers built by configure_model (after setup) get the plan in on_fit_start.
         with contextlib.suppress(ConfigError):
             self._apply(pl_module)
 

@@ -108,7 +108,8 @@ class FusedStep:
         self._coef = None
         try:
             if clip_norm is not None:
-                # NOTE: earlier micro-batches' gradients wait aside (no copy) while the first
+                # Note [clipping a fused step]
+                # Earlier micro-batches' gradients wait aside (no copy) while the first
                 # backward measures the norms of the sums; the second accumulates onto them
                 # exactly as an unfused step would.
                 self._earlier = {id(p): p.grad for p in self.params if p.grad is not None}

@@ -39,10 +39,8 @@ from memfit.errors import LeverRefused
 from memfit.levers.spec import ADAM_LIKE, torchao_available
 from memfit.vocab import WEIGHTS
 
-__all__ = ["KINDS", "is_lever_optimizer", "lever_optimizer"]
+__all__ = ["is_lever_optimizer", "lever_optimizer"]
 
-#: State kinds: fp32 (unchanged), bf16, 8bit, 4bit.
-KINDS = (*WEIGHTS, "8bit", "4bit")
 _BLOCK = ("8bit", "4bit")
 #: torch.optim flags torchao's optimizers do not take (memfit drops the speed-only ones).
 _DROPPED = ("foreach", "fused", "capturable", "differentiable", "maximize", "decoupled_weight_decay")
@@ -54,8 +52,9 @@ def is_lever_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
 
 
 def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
-    # NOTE: torchao keeps the learning rate as a tensor (no recompile when it changes); a
-    # scheduler or a user that writes a float is turned back into one here.
+    # Note [torchao's learning-rate tensor]
+    # torchao keeps the learning rate as a tensor (no recompile when it changes); a scheduler
+    # or a user that writes a float is turned back into one here.
     for group in optimizer.param_groups:
         if not isinstance(group["lr"], torch.Tensor):
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
@@ -79,8 +78,9 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
             return base._new_buffer(self, p, signed)
 
         def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-            # NOTE: torch.optim casts loaded floating state to the parameter's dtype; moments
-            # kept in bf16 go back to bf16 so a resumed run computes as the saved one did.
+            # Note [bf16 moments after a load]
+            # torch.optim casts loaded floating state to the parameter's dtype; moments kept
+            # in bf16 go back to bf16 so a resumed run computes as the saved one did.
             base.load_state_dict(self, state_dict)
             if self.memfit_state == "bf16":
                 for per in self.state.values():

@@ -47,7 +47,7 @@ def torchao_available() -> bool:
     """Whether torchao (the low-precision AdamW optimizers) can be imported."""
     try:
         return importlib.util.find_spec("torchao") is not None
-    except (ImportError, ValueError, AttributeError):  # NOTE: an import blocked in sys.modules
+    except (ImportError, ValueError, AttributeError):  # an import blocked in sys.modules
         return False
 
 
@@ -128,7 +128,7 @@ def refusal(
 def _name(optimizer: torch.optim.Optimizer | None) -> str:
     if optimizer is None:
         return "none"
-    # NOTE: an optimizer already carried over by memfit (torchao's) still counts as Adam-like.
+    # An optimizer already carried over by memfit (torchao's) still counts as Adam-like.
     return getattr(optimizer, "memfit_family", type(optimizer).__name__)
 
 

@@ -79,8 +79,9 @@ def fixed_bytes_message(fixed: int, budget: int, optimizer: str, detail: str = "
 def _explain(precision: str, micro: int, sol: Solution, profiles: Mapping[str, Profile], budget: int) -> str:
     prof = profiles[precision]
     sim = simulate_options(prof, sol.options, micro)
-    # NOTE: "alone" is what every step holds whatever the plan; the optimizer step's
-    # temporaries are not held all step (a fused or for-loop step changes them): named apart.
+    # Note [state apart from the optimizer step]
+    # "Alone" is what every step holds whatever the plan; the optimizer step's temporaries
+    # are not held all step (a fused or for-loop step changes them), so they are named apart.
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
     if state >= budget:
         return fixed_bytes_message(state, budget, prof.optimizer)
@@ -163,8 +164,9 @@ def plan_from_profiles(
                 seconds = predict_options_seconds(prof, std.options, micro)
                 standard.append((seconds, std.peak_bytes, order[precision], precision, std))
             if micro == 1 and precision == "fp32" and 0 < baseline_peak_bytes <= budget_bytes:
-                # NOTE: keeping every block was measured (the baseline) and fits, even where the
-                # step model, adding up per-block numbers, predicts a little more.
+                # Note [the measured baseline]
+                # Keeping every block was measured (the baseline); where it fits, it is a plan,
+                # even where the step model, adding up per-block numbers, predicts a little more.
                 keep = _keep_all(prof, baseline_peak_bytes)
                 seconds = predict_options_seconds(prof, keep.options, 1)
                 found.append((seconds, baseline_peak_bytes, order[precision], precision, keep))
@@ -184,8 +186,9 @@ def plan_from_profiles(
                 baseline_step_seconds=baseline_step_seconds,
                 budget_bytes=budget_bytes,
             )
-    # NOTE: the smallest peak of every plan considered (each precision and micro-batch count)
-    # and of keeping every block, which was measured: never above any of them.
+    # The smallest peak of every plan considered (each precision and micro-batch count) and of
+    # keeping every block: never above any of them.
+    # See Note [the measured baseline]
     p, micro, best = min(
         (
             (p, micro, minimum_peak(prof, micro, segments=segments))

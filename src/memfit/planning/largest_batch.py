@@ -166,7 +166,7 @@ def largest_batch(
         result = _plan_at(plan_at, batch, budget_bytes, lo, reasons)
         if result is not None:
             break
-        # NOTE: predicted to fit but measured over (or only with micro-batches): go lower.
+        # Predicted to fit but measured over (or only with micro-batches): go lower.
         lo, hi = _bracket(fits, 0, lo, [lo - 1])
     result.batch_size = lo
     if hi in cache:

@@ -36,7 +36,7 @@ from memfit.planning.choose import plan_from_profiles
 from memfit.records import EstimateEntry, Plan, Profile
 from memfit.stepmodel import simulate
 from memfit.stepmodel.levers import with_levers
-from memfit.vocab import LEVERS
+from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [
     "lever_profiles",
@@ -70,10 +70,10 @@ def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
 
 
 def resolve_levers(
-    levers: str | Sequence[str] | None,
+    levers: str | Sequence[LeverName] | None,
     device: torch.device,
     optimizer: torch.optim.Optimizer | None,
-    precision: str | Sequence[str],
+    precision: PrecisionChoice | Sequence[PrecisionName],
 ) -> tuple[list[str], dict[str, str]]:
     """The levers a plan may use, and ``{lever: why not}`` for those of ``"all"`` that cannot run.
 
@@ -203,8 +203,9 @@ def levers_applied(
         yield optimizer
         return
     saved = cast_weights(model) if "weights_bf16" in plan.levers else []
-    # NOTE: a state lever makes a new optimizer from one without state: a shallow copy whose
-    # state is empty (the user's optimizer and its state are left alone).
+    # Note [a fresh optimizer for state levers]
+    # A state lever makes a new optimizer from one without state: a shallow copy whose state
+    # is empty, so the user's optimizer and its state are left alone.
     fresh = copy.copy(optimizer)
     fresh.state = collections.defaultdict(dict)
     used = apply_levers(model, fresh, plan)

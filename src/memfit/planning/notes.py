@@ -79,7 +79,7 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
             "fused_step: with clip_norm the last micro-batch's backward runs twice (norms first, then the "
             "steps), which the predicted step time does not include; without clipping it adds no work."
         )
-    # NOTE: the profile's notes on in-place writes, for the blocks the plan runs in those modes.
+    # The profile's notes on in-place writes, for the blocks the plan runs in those modes.
     for note in profiles[result.precision].notes:
         blocks, modes = inplace_parts(note)
         if any(result.blocks.get(b) in modes for b in blocks):

@@ -51,7 +51,7 @@ from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import Batch, LossFn, batch_size, training_step
 from memfit.stepmodel import simulate
-from memfit.vocab import CHECKPOINT_MODES, MAXIMIZE, Maximize, PrecisionChoice, PrecisionName
+from memfit.vocab import CHECKPOINT_MODES, MAXIMIZE, LeverName, Maximize, PrecisionChoice, PrecisionName
 
 __all__ = ["plan"]
 
@@ -92,7 +92,7 @@ class _Planner:
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = fixed_bytes(self.model, self.optimizer)
-        if budget_bytes < fixed and not self.levers:  # NOTE: levers shrink these bytes
+        if budget_bytes < fixed and not self.levers:  # levers shrink these bytes
             name = type(self.optimizer).__name__ if self.optimizer is not None else "none"
             detail = ""
             if estimated:
@@ -121,7 +121,9 @@ class _Planner:
         if self.budget.is_fraction:
             estimate = base.estimated_peak() if self.room is not None else None
             estimate = estimate if estimate is not None else base.quick_peak()
-            # NOTE: refused on the estimate only with a 5% margin; otherwise the measured peak decides
+            # Note [refusing on the estimate]
+            # A fractional budget is refused on the estimated peak only with a 5% margin; a
+            # budget nearer than that is decided by the measured peak.
             if estimate is not None:
                 self._refuse_fixed(self.budget.resolve(int(estimate * 1.05)), estimated=estimate)
         peak = base.none().peak
@@ -158,12 +160,11 @@ class _Planner:
         return {p: done[p] for p in self.wanted}
 
     def check(self, profiles: Mapping[str, Profile], result: Plan) -> Plan:
-        """Measure the plan; while it is over budget, re-plan under the budget less the excess.
-
-        # NOTE: the simulator assumes blocks are additive; where they are not (tensors held
-        # across blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That
-        # error, measured, becomes a safety margin, so the returned plan was seen to fit.
-        """
+        """Measure the plan; while it is over budget, re-plan under the budget less the excess."""
+        # Note [a measured safety margin]
+        # The step model assumes blocks are additive; where they are not (tensors held across
+        # blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That error,
+        # measured, becomes a safety margin, so the returned plan was seen to fit.
         budget = result.budget_bytes
         margin = 0
         segments = True
@@ -272,7 +273,7 @@ def _request(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     precision: PrecisionChoice | Sequence[PrecisionName],
-    levers: str | Sequence[str] | None,
+    levers: str | Sequence[LeverName] | None,
     budget: int | str | Budget,
 ) -> _Request:
     device = model_device(model)
@@ -329,7 +330,7 @@ def _plan_batch(
     *,
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
-    levers: str | Sequence[str] | None = None,
+    levers: str | Sequence[LeverName] | None = None,
     verify: bool = False,
 ) -> Plan:
     """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
@@ -375,7 +376,7 @@ def plan(
     check: bool = True,
     profiles: Mapping[str, Profile] | None = None,
     maximize: Maximize | None = None,
-    levers: str | Sequence[str] | None = None,
+    levers: str | Sequence[LeverName] | None = None,
     verify: bool = False,
 ) -> Plan:
     """The fastest plan whose step peak fits ``budget`` (per-block checkpointing and segments,

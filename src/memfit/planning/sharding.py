@@ -44,6 +44,7 @@ import math
 
 from memfit.errors import ConfigError
 from memfit.records import Profile
+from memfit.vocab import DistributedMode
 
 __all__ = ["rank_profile", "replicate_profile", "shard_profile"]
 
@@ -91,13 +92,15 @@ def shard_profile(profile: Profile, world_size: int) -> Profile:
         added = 2 * p + previous + g
         new.backward_peak_bytes = {m: v + added for m, v in block.backward_peak_bytes.items()}
         new.grad_bytes = _shard(g, w)
-        # NOTE: none of this shrinks with micro-batches: the gathered parameters, and the
-        # block's whole gradients (measured in its backward peak; only the shard is kept).
+        # Note [FSDP2's fixed bytes]
+        # None of this shrinks with micro-batches: the gathered parameters, and the block's
+        # whole gradients (measured in its backward peak; only the shard is kept).
         new.forward_fixed_bytes = block.forward_fixed_bytes + 2 * p
         new.backward_fixed_bytes = block.backward_fixed_bytes + added + g - new.grad_bytes
         new.param_bytes = _shard(p, w)
         previous = p
-    # NOTE: a segment recomputes several FSDP2 units in one backward step, gathering all their
+    # Note [no segments under FSDP2]
+    # A segment recomputes several FSDP2 units in one backward step, gathering all their
     # parameters at once; the rules above do not model that, so sharded plans use none.
     out.chain_links = []
     out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"]
@@ -116,14 +119,15 @@ def replicate_profile(profile: Profile) -> Profile:
         1000
     """
     out = copy.deepcopy(profile)
-    # NOTE: DistributedDataParallel's reducer buckets (gradient_as_bucket_view=False, the
-    # default): a copy of every gradient, alive from construction on; held like parameters.
+    # Note [DDP's gradient buckets]
+    # DistributedDataParallel's reducer buckets (gradient_as_bucket_view=False, the default)
+    # are a copy of every gradient, alive from construction on: held like parameters.
     out.param_bytes = profile.param_bytes + profile.grad_bytes
     out.notes = [*profile.notes, "DDP: gradient buckets held all step (memfit.planning.sharding)"]
     return out
 
 
-def rank_profile(profile: Profile, mode: str, world_size: int) -> Profile:
+def rank_profile(profile: Profile, mode: DistributedMode, world_size: int) -> Profile:
     """One rank's profile for ``mode``: ``"ddp"`` (:func:`replicate_profile`), ``"fsdp2"``
     (:func:`shard_profile`) or ``"none"`` (the profile itself)."""
     if mode == "ddp":

@@ -76,12 +76,11 @@ def _costs(block: BlockStats, mode: str) -> tuple[int, ...]:
 
 
 def useful_modes(block: BlockStats) -> list[str]:
-    """The block's modes less those that hold at least as much as keeping it at every moment.
-
-    # NOTE: such a mode is slower than keeping the block and lowers no event of the step, so
-    # no plan should choose it (a block whose input is not otherwise kept, or whose recompute
+    """The block's modes less those that hold at least as much as keeping it at every moment."""
+    # Note [modes that never help]
+    # Such a mode is slower than keeping the block and lowers no event of the step, so no
+    # plan should choose it (a block whose input is not otherwise kept, or whose recompute
     # peaks high, can have one).
-    """
     options = block_options(block)
     if "none" not in options:
         return options
@@ -215,8 +214,9 @@ def solve(
         if x is None:
             return None
         best = float(cost @ x)
-        # NOTE: HiGHS proves optimality to ~1e-7 of the normalised objective; the band below
-        # takes at least that, so plans the solver cannot tell apart are ties too.
+        # Note [HiGHS's optimality gap]
+        # HiGHS proves optimality to ~1e-7 of the normalised objective; the band below takes
+        # at least that, so plans the solver cannot tell apart are ties too.
         band = best + max(tie_seconds / top, 1e-6 * max(1.0, best))
         in_time = LinearConstraint(cost.reshape(1, -1), -np.inf, band)
         peak_cost = np.zeros(len(prog.options) + 1)
@@ -226,7 +226,8 @@ def solve(
         lowest = _within(prog.run(peak_cost, [in_time], True, budget), cost, band)
         chosen = prog.picked(x if lowest is None else lowest)
         peak = float(simulate_options(profile, chosen, micro_batches, prog.events).peak_bytes)
-        # NOTE: HiGHS stops within an absolute gap of 1e-6 of the normalised peak, a byte at a
+        # Note [one byte less]
+        # HiGHS stops within an absolute gap of 1e-6 of the normalised peak, a byte at a
         # megabyte scale; asking in exact bytes for one byte less settles the lowest peak.
         for _ in range(3):
             lower = _within(prog.run(cost, [in_time], False, peak - 1), cost, band)
@@ -237,7 +238,8 @@ def solve(
             if found_peak >= peak:
                 break
             chosen, peak = found, float(found_peak)
-        # NOTE: bytes are integers, so "at most peak - 0.5" is "at most peak"; the half byte keeps
+        # Note [the half byte]
+        # Bytes are integers, so "at most peak - 0.5" is "at most peak"; the half byte keeps
         # HiGHS's MIP feasibility tolerance (1e-6 of the scaled row) from letting in a plan a
         # byte over, and the exact check below catches what it still lets in.
         scale = max(1.0, peak)
@@ -250,8 +252,9 @@ def solve(
         sol = _solution(prog, chosen, micro_batches)
         if sol.peak_bytes <= budget_bytes:
             return sol
-        # NOTE: HiGHS accepts rows violated by up to its feasibility tolerance (~1e-7 of the
-        # budget); the exact check caught one, so the rows are tightened by the excess.
+        # Note [tightening by the excess]
+        # HiGHS accepts rows violated by up to its feasibility tolerance (~1e-7 of the budget);
+        # the exact check caught one, so the rows are tightened by the excess.
         tighten += sol.peak_bytes - budget_bytes
     return None
 

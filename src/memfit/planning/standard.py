@@ -129,7 +129,7 @@ def standard_tilings(profile: Profile, segments: bool = True) -> dict[str, list[
         modes = wanted[name]
         if all(m in block_options(b) for m, b in zip(modes, profile.blocks, strict=True)):
             out[name] = tiling(profile, modes)
-    # NOTE: with one or two blocks some configurations coincide; the first name is kept.
+    # With one or two blocks some configurations coincide; the first name is kept.
     unique: dict[str, list[Option]] = {}
     for name, options in out.items():
         if options not in unique.values():

@@ -197,8 +197,9 @@ class SaveState(Callback):
             reason = self._try(trainer, path)
         if reason is None:
             return path
-        # NOTE: the rescue folder is on another file system path, so a full or read-only
-        # output directory does not lose the steps since the last save.
+        # Note [the rescue copy]
+        # The rescue folder is on another file system path, so a full or read-only output
+        # directory does not lose the steps since the last save.
         rescue = Path(tempfile.gettempdir()) / f"memfit-rescue-{os.getpid()}" / path.name
         if self._try(trainer, rescue) is not None:
             kept = f"the last state on disk is {str(path)!r}" if path.exists() else "no state is on disk"

@@ -30,9 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.step import Batch
-from memfit.vocab import DISTRIBUTED_MODES
+from memfit.vocab import DISTRIBUTED_MODES, DistributedMode
 
 __all__ = [
     "DistContext",
@@ -50,7 +51,7 @@ __all__ = [
 class DistContext:
     """Where this process stands in the run."""
 
-    mode: str = "none"
+    mode: DistributedMode = "none"
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -68,7 +69,7 @@ class DistContext:
         return self.mode != "none"
 
 
-def init_distributed(mode: str, device: torch.device) -> tuple[DistContext, torch.device]:
+def init_distributed(mode: DistributedMode, device: torch.device) -> tuple[DistContext, torch.device]:
     """Join the process group ``torchrun`` set up (gloo on a CPU, NCCL on GPUs).
 
     Args:
@@ -102,13 +103,12 @@ def init_distributed(mode: str, device: torch.device) -> tuple[DistContext, torc
 
 
 def shutdown_distributed(ctx: DistContext, finished: bool) -> None:
-    """Leave the process group the run created: every rank waits for the others, then it is destroyed.
-
-    # NOTE: a process that exits with its gloo group alive can abort in the group's
-    # destructor ("terminate called without an active exception") while another rank still
-    # writes; waiting at a barrier and destroying the group first makes the exit orderly. After
-    # a failure there is no barrier: the other ranks may never reach it.
-    """
+    """Leave the process group the run created: every rank waits for the others, then it is destroyed."""
+    # Note [an orderly exit from the group]
+    # A process that exits with its gloo group alive can abort in the group's destructor
+    # ("terminate called without an active exception") while another rank still writes;
+    # waiting at a barrier and destroying the group first makes the exit orderly. After a
+    # failure there is no barrier: the other ranks may never reach it.
     if not (ctx.owns_group and dist.is_initialized()):
         return
     if finished:
@@ -161,7 +161,7 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
     ``fully_shard`` keeps), so the same plan works with and without sharding.
     """
     if ctx.mode == "ddp":
-        device_ids = [ctx.local_rank] if next(model.parameters()).is_cuda else None
+        device_ids = [ctx.local_rank] if model_device(model).type == "cuda" else None
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
     if ctx.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
@@ -178,16 +178,15 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
 
 
 def end_worker_process(code: int) -> NoReturn:
-    """End a ``torchrun`` worker whose run finished: flush, then exit past the interpreter's teardown.
-
-    # NOTE: measured on this machine (torch 2.13 CPU, gloo, two workers): about one run in
-    # eight, a worker of rank 1 aborted after its run had finished and its process group was
-    # destroyed, with "terminate called without an active exception" and, by faulthandler,
-    # no Python frame left: a C++ thread torn down at interpreter exit. The elastic agent
-    # then reports the whole run failed. Every file is written and closed by now (states
-    # atomically, the metrics log flushed per line and closed), so skipping that teardown
-    # loses nothing.
-    """
+    """End a ``torchrun`` worker whose run finished: flush, then exit past the interpreter's teardown."""
+    # Note [exit past the interpreter's teardown]
+    # Measured on this machine (torch 2.13 CPU, gloo, two workers): about one run in eight, a
+    # worker of rank 1 aborted after its run had finished and its process group was destroyed
+    # (See Note [an orderly exit from the group]), with "terminate called without an active
+    # exception" and, by faulthandler, no Python frame left: a C++ thread torn down at
+    # interpreter exit. The elastic agent then reports the whole run failed. Every file is
+    # written and closed by now (states atomically, the metrics log flushed per line and
+    # closed), so skipping that teardown loses nothing.
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -40,6 +40,7 @@ from memfit.errors import ConfigError
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
 from memfit.trainer.state import capture_rng, restore_rng
+from memfit.vocab import CheckpointMode, PrecisionName
 
 __all__ = [
     "OomConfig",
@@ -107,7 +108,7 @@ def describe_plan(plan: Plan | None, micro_batches: int = 1) -> str:
 
 
 def _norm_buffers(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # NOTE: running statistics are the buffers a forward pass changes in training mode.
+    # Running statistics are the buffers a forward pass changes in training mode.
     kept = []
     for m in model.modules():
         if isinstance(m, nn.modules.batchnorm._NormBase):
@@ -180,8 +181,8 @@ def failed_peak(
     plan: Plan | None,
     last_tracked: int | None,
     profiles: Mapping[str, Profile],
-    precision: str,
-    modes: Mapping[str, str],
+    precision: PrecisionName,
+    modes: Mapping[str, CheckpointMode],
     micro_batches: int,
 ) -> int:
     """The peak of the configuration that ran out of memory, as well as it is known.
@@ -219,7 +220,7 @@ def replan(
     batch: Any,
     loss_fn: Any,
     optimizer: torch.optim.Optimizer,
-    precision: str,
+    precision: PrecisionName,
     plan: Plan | None,
     micro_batches: int,
     last_tracked: int | None,
@@ -231,11 +232,11 @@ def replan(
 
     Raises:
         InfeasibleBudget: no plan fits the smaller budget.
-
-    # NOTE: the new plan comes from the profiles alone (no measured check, which would need
-    # memory): the retried step is its check, and a plan that still runs out is re-planned
-    # again under its own peak.
     """
+    # Note [re-planning from the profiles alone]
+    # The new plan comes from the profiles alone (no measured check, which would need memory):
+    # the retried step is its check, and a plan that still runs out is re-planned again under
+    # its own peak.
     from memfit.checkpointing import checkpointed_blocks
     from memfit.planning.choose import plan_from_profiles
 

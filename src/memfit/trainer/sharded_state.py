@@ -111,7 +111,8 @@ class _SafePlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
             raise StateError(f"a shard item cannot be loaded safely (weights_only): {exc}") from None
-        # NOTE: DCP's own load_bytes places the item (nested keys and all) but reads it with
+        # Note [shards read with weights_only]
+        # DCP's own load_bytes places the item (nested keys and all) but reads it with
         # weights_only=False; it gets the item re-saved from what weights_only already built.
         super().load_bytes(read_item, _saved(loaded))
 
@@ -219,9 +220,9 @@ def load_sharded(
     from torch.distributed.checkpoint.api import CheckpointException
 
     reader = _SafeReader(target)
-    reader.read_metadata()  # NOTE: refused here in one sentence, before DCP wraps the error
+    reader.read_metadata()  # refused here in one sentence, before DCP wraps the error
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    # NOTE: DCP loads in place into the tensors of these dicts.
+    # DCP loads in place into the tensors of these dicts.
     try:
         dcp.load({"model": model_sd, "optimizer": optim_sd}, storage_reader=reader, planner=_SafePlanner())
     except CheckpointException as exc:

@@ -88,7 +88,7 @@ def graceful_stop(trainer: _Stoppable, echo: Callable[[str], None]) -> Iterator[
         echo(f"memfit train: stopping after this step and saving the training state ({again} again to abort)")
 
     for signum in STOP_REASONS:
-        if signal.getsignal(signum) is not signal.SIG_IGN:  # NOTE: nohup's SIGHUP stays ignored
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             previous[signum] = signal.signal(signum, _on_signal)
     try:
         yield

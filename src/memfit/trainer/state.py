@@ -83,11 +83,12 @@ def _key_path() -> Path:
 def state_key(create: bool = True) -> bytes:
     """This user's key for authenticating state files (32 random bytes, created once, mode 0600).
 
-    # NOTE: the key lives with the user (``$MEMFIT_STATE_KEY`` or ``~/.config/memfit/state.key``),
-    # not with the run, so a run directory copied from elsewhere, key and all, is not
-    # trusted by accident. It is created by a link of a finished temporary file, so two
-    # processes starting at once agree on one key.
+    The key is ``$MEMFIT_STATE_KEY``'s file, or ``~/.config/memfit/state.key``.
     """
+    # Note [the state key lives with the user]
+    # The key lives with the user, not with the run, so a run directory copied from elsewhere,
+    # key and all, is not trusted by accident. It is created by a link of a finished temporary
+    # file, so two processes starting at once agree on one key.
     path = _key_path()
     key = _read_key(path)
     if key is None and not create:
@@ -148,8 +149,8 @@ def file_digest(path: str | os.PathLike[str]) -> str:
 
 
 def _fsync_dir(directory: Path) -> None:
-    # NOTE: the rename is only durable once the directory entry is on disk; some
-    # platforms (Windows) cannot open a directory, which is harmless to skip.
+    # The rename is only durable once the directory entry is on disk; some platforms
+    # (Windows) cannot open a directory, which is harmless to skip.
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -208,12 +209,11 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
 
 
 def _write_signed(f: Any, state: dict[str, Any], key: bytes) -> None:
-    """Header placeholder, the ``torch.save`` archive streamed to the file, then the header.
-
-    # NOTE: streamed, not built in memory first: a save needs no second copy of the state in
-    # host memory (the save after an out-of-memory re-plan failed that way). The archive's
-    # offsets are its own, so the payload loads from any position.
-    """
+    """Header placeholder, the ``torch.save`` archive streamed to the file, then the header."""
+    # Note [streamed saves]
+    # Streamed, not built in memory first: a save needs no second copy of the state in host
+    # memory (the save after an out-of-memory re-plan failed that way). The archive's offsets
+    # are its own, so the payload loads from any position.
     f.write(b"\0" * _HEADER)
     torch.save(state, f)
     length = f.tell() - _HEADER

@@ -51,6 +51,7 @@ from memfit.trainer.oom import (
     refusal,
     replan,
 )
+from memfit.vocab import PrecisionChoice
 
 __all__ = ["StepOutcome", "Stepper", "check_plan_applied", "to_device"]
 
@@ -76,7 +77,7 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 
 
 def check_plan_applied(
-    model: nn.Module, plan: Plan, precision: str | Precision | None, micro_batches: int | None
+    plan: Plan, precision: PrecisionChoice | Precision | None, micro_batches: int | None
 ) -> None:
     """Refuse arguments that contradict ``plan`` (the Trainer applies the plan itself, with
     :func:`memfit.prepare`).
@@ -107,7 +108,7 @@ class Stepper:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        precision: str | Precision | None = None,
+        precision: PrecisionChoice | Precision | None = None,
         plan: Plan | None = None,
         *,
         micro_batches: int | None = None,
@@ -127,12 +128,13 @@ class Stepper:
         self.optimizer = optimizer
         self.loss_fn = loss_fn
         self.device = model_device(model)
+        asked: str | Precision = "auto" if precision is None else precision
         if plan is not None:
-            check_plan_applied(model, plan, precision, micro_batches)
-            precision = precision if precision is not None else plan.precision
+            check_plan_applied(plan, precision, micro_batches)
+            asked = precision if precision is not None else plan.precision
             micro_batches = micro_batches if micro_batches is not None else plan.micro_batches
         self.plan = plan
-        self.precision = as_precision(precision if precision is not None else "auto", device=self.device)
+        self.precision = as_precision(asked, device=self.device)
         if self.precision.fp32_modules:
             self.precision.attach(model)
         self.micro_batches = 1 if micro_batches is None else int(micro_batches)
@@ -141,14 +143,15 @@ class Stepper:
         if clip_norm is not None and not clip_norm > 0:
             raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
         self.clip_norm = clip_norm
-        # NOTE: every step is memfit.loop.planned_step of this plan (memfit.train_step's own
-        # step); without a plan, the model's checkpointing, precision and micro-batches are one.
+        # Note [one planned step]
+        # Every step is memfit.loop.planned_step of this plan (memfit.train_step's own step);
+        # without a plan, the model's checkpointing, precision and micro-batches are one.
         self._running = plan or Plan(
             blocks=dict(checkpointed_blocks(unwrap(model))),
             precision=self.precision.mode,
             micro_batches=self.micro_batches,
         )
-        # NOTE: a plan whose levers change the optimizer state's precision trains a new optimizer.
+        # A plan whose levers change the optimizer state's precision trains a new optimizer.
         _, self.optimizer = prepare(
             model, optimizer, self._running, precision=self.precision, compile=compile
         )
@@ -157,8 +160,9 @@ class Stepper:
         self.memory_note: str | None = None
         """Why memory is not tracked, when that is not the caller's choice."""
         if is_compiled(model) and track_memory:
-            # NOTE: MemTracker sees no inductor buffers, and tracking runs the model eagerly
-            # (memfit.checkpointing.compile.eager): a compiled step has only the CUDA allocator's peak.
+            # MemTracker sees no inductor buffers, and tracking runs the model eagerly: a compiled
+            # step has only the CUDA allocator's peak.
+            # See Note [measuring compiled models eagerly]
             self.track_memory = False
             self.memory_note = (
                 "compiled: each step's peak is the CUDA allocator's (MemTracker does not see "
@@ -178,8 +182,9 @@ class Stepper:
         """The re-plans after out-of-memory steps, in order."""
 
     def _track_this_step(self) -> bool:
-        # NOTE: steady state: optimizer state exists (Adam's moments are created lazily by the
-        # first step) or a step was taken (SGD without momentum has no state at all).
+        # Note [the steady state]
+        # A step is steady once optimizer state exists (Adam's moments are created lazily by
+        # the first step) or a step was taken (SGD without momentum has no state at all).
         steady = self.step_count > 0 or len(self.optimizer.state) > 0
         if not steady or not self.track_memory:
             return False
@@ -203,7 +208,7 @@ class Stepper:
 
     def _planned_step(self, batch: Batch, loss_fn: LossFn, precision: Precision) -> StepResult:
         if precision is not prepared(self.optimizer).precision:
-            # NOTE: the guard fell back to another precision: this step and the next run it.
+            # The guard fell back to another precision: this step and the next run it.
             self._running = dataclasses.replace(self._running, precision=precision.mode)
             _, self.optimizer = prepare(self.model, self.optimizer, self._running, precision=precision)
         return planned_step(
@@ -255,8 +260,9 @@ class Stepper:
                 if not is_out_of_memory(exc) or isinstance(exc, OutOfMemory):
                     raise
                 error = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            # NOTE: out of the except clause, the error's traceback (and the activations its
-            # frames hold) is gone before re-planning needs the memory.
+            # Note [re-planning outside the except clause]
+            # Out of the except clause, the error's traceback (and the activations its frames
+            # hold) is gone before re-planning needs the memory.
             if error is None:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)

@@ -49,6 +49,7 @@ from memfit.trainer.sharded_state import load_sharded, save_sharded, sharded
 from memfit.trainer.signals import agreed_stop
 from memfit.trainer.state import capture_rng, load_state, restore_rng, save_state
 from memfit.trainer.stepper import StepOutcome, Stepper, to_device
+from memfit.vocab import PrecisionChoice
 
 __all__ = ["Trainer", "TrainerCallback"]
 
@@ -132,7 +133,7 @@ class Trainer:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         loss_fn: LossFn,
-        precision: str | Precision | None = None,
+        precision: PrecisionChoice | Precision | None = None,
         plan: Plan | None = None,
         *,
         micro_batches: int | None = None,
