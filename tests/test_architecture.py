@@ -206,6 +206,22 @@ def test_functions_fit_on_a_screen() -> None:
     assert long == set()
 
 
+_DEFINED_NOTE = re.compile(r"^\s*# Note \[([^\]]+)\]\s*$", re.M)
+_NOTE_REFERENCE = re.compile(r"[Ss]ee Note \[([^\]]+)\]|\(Note \[([^\]]+)\]\)")
+
+
+def test_design_notes_are_named_and_every_reference_has_its_note() -> None:
+    """Torch-style notes: ``# Note [name]`` on its own line, defined once; ``See Note [name]``
+    refers to one that exists; no anonymous ``# NOTE:`` blocks."""
+    texts = {m: p.read_text(encoding="utf-8") for m, p in _modules().items()}
+    anonymous = [m for m, t in texts.items() if "# NOTE" in t]
+    defined = [name for t in texts.values() for name in _DEFINED_NOTE.findall(t)]
+    referenced = {a or b for t in texts.values() for a, b in _NOTE_REFERENCE.findall(t)}
+    assert anonymous == []
+    assert sorted(n for n in set(defined) if defined.count(n) > 1) == []
+    assert sorted(referenced - set(defined)) == []
+
+
 def test_the_top_level_exports_few_names_and_none_shadows_a_subpackage() -> None:
     assert len(memfit.__all__) <= MAX_PUBLIC
     assert all(hasattr(memfit, n) for n in memfit.__all__)

@@ -94,7 +94,8 @@ STRATEGY_ORDER: tuple[tuple[PrecisionName, CheckpointMode], ...] = tuple(
     (p, m) for p in ("bf16", "fp16", "fp32") for m in CHECKPOINT_MODES
 )
 
-# NOTE: plans written before the vocabulary was unified called an unchanged block "keep".
+# Note [the old spelling keep]
+# Plans written before the vocabulary was unified called an unchanged block "keep".
 # It is still read (saved plan.json files keep working) and always written as "none".
 _OLD_MODE_SPELLINGS: dict[str, CheckpointMode] = {"keep": "none"}
 

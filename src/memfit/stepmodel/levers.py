@@ -132,8 +132,8 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         out.optimizer_temp_bytes = round(per * max(numels, default=0))
         out.optimizer_bytes_by_dtype = {}
         # the step's time: every trained element at the kind's measured cost instead of the
-        # user's optimizer's (both measured eagerly: an upper bound; see Note [compiled code
-        # runs eagerly when tracked] in memfit.measuring.tracker)
+        # user's optimizer's (both measured eagerly: an upper bound;
+        # see Note [compiled code runs eagerly when tracked] in memfit.measuring.tracker)
         sec = facts.step_seconds_per_element
         new, old = sec.get(temp_key(kind, weights)), sec.get(temp_key("orig", profile.weights))
         if new is not None and old is not None and profile.step_seconds > 0:
