@@ -18,7 +18,7 @@ from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
-from memfit.stepmodel.levers import state_bytes
+from memfit.stepmodel.with_levers import state_bytes
 
 torchao = pytest.importorskip("torchao")
 

@@ -5,7 +5,7 @@ batch 8) with every lever a CPU can run plus full checkpointing.
 - model state at that peak (weights + gradients + optimizer, the latter including the one
   parameter's step temporaries MemTracker counts as optimizer) <= 6 bytes per parameter;
 - the step model's prediction (a bf16 profile of the same model with bf16 weights, levers
-  applied by memfit.stepmodel.levers.with_levers) within 5% of the measured peak.
+  applied by memfit.stepmodel.with_levers.with_levers) within 5% of the measured peak.
 
 bf16 is emulated on a CPU, so this takes a few minutes: marked slow, run by ``make test``.
 """
@@ -18,7 +18,7 @@ import torch
 import memfit
 from memfit.levers import apply_levers, remove_levers
 from memfit.levers.weights import cast_weights
-from memfit.measuring.levers import attach_lever_facts
+from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.measuring.tracker import MemoryWatch
@@ -27,7 +27,7 @@ from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
 from memfit.stepmodel import simulate
-from memfit.stepmodel.levers import with_levers
+from memfit.stepmodel.with_levers import with_levers
 
 pytest.importorskip("torchao")
 

@@ -14,7 +14,7 @@ also use, each only when asked (``memfit.plan(..., levers="all" | [names])``):
   CUDA only).
 
 Which can run where is :mod:`.spec`; :func:`apply_levers` acts on a model and optimizer;
-:mod:`memfit.stepmodel.levers` predicts their bytes; ``memfit check --levers`` proves
+:mod:`memfit.stepmodel.with_levers` predicts their bytes; ``memfit check --levers`` proves
 they still train the same model.
 """
 
@@ -22,7 +22,7 @@ from memfit.levers.apply import apply_levers, remove_levers
 from memfit.levers.fused import FusedStep, fused_step_of
 from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import STATE_LEVERS, allowed_levers, check_levers, normalize_levers, state_kind
-from memfit.stepmodel.levers import state_bytes
+from memfit.stepmodel.with_levers import state_bytes
 
 __all__ = [
     "STATE_LEVERS",

@@ -23,7 +23,7 @@ Example:
     >>> opt = lever_optimizer(torch.optim.AdamW(lin.parameters(), lr=0.01), "8bit", weights_bf16=False)
     >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
     ('MemfitAdamW8bit', 0.01)
-    >>> from memfit.stepmodel.levers import state_bytes
+    >>> from memfit.stepmodel.with_levers import state_bytes
     >>> state_bytes(65536, 4, "8bit")  # codes + block scales + two 256-entry maps + the step count
     135172
 """

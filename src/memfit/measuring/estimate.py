@@ -43,7 +43,7 @@ from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
-from memfit.measuring.levers import attach_lever_facts
+from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
@@ -230,7 +230,7 @@ def estimate(
         device_memory: bytes available ("24GiB", "80GB", int); fills ``Estimate.fits``.
         precisions: subset of fp32, bf16, fp16.
         modes: subset of none, selective, full.
-        levers: also count what the levers need (:func:`memfit.measuring.levers.attach_lever_facts`:
+        levers: also count what the levers need (:func:`memfit.measuring.lever_facts.attach_lever_facts`:
             parameters per block, and one small real optimizer step per state kind).
 
     Returns:

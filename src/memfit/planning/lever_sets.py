@@ -6,7 +6,7 @@ as the budget needs: it tries lever sets from the least to the most numeric risk
 lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights), each without and then
 with the fused step (exact, but its clipping runs the backward twice), and keeps the
 first whose plan fits. Every set is predicted from the same profiles
-(:func:`memfit.stepmodel.levers.with_levers`, a pure function): no lever set costs a step.
+(:func:`memfit.stepmodel.with_levers.with_levers`, a pure function): no lever set costs a step.
 
 ``offload`` is applied when a plan names it (``Plan.offload``) but the planner does not
 choose it (it is CUDA-only, and its bytes are not in the step model yet).
@@ -35,7 +35,7 @@ from memfit.measuring.preserve import create_optimizer_state
 from memfit.planning.choose import plan_from_profiles
 from memfit.records import EstimateEntry, Plan, Profile
 from memfit.stepmodel import simulate
-from memfit.stepmodel.levers import with_levers
+from memfit.stepmodel.with_levers import with_levers
 from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [

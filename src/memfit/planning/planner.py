@@ -37,7 +37,7 @@ from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.devices import Room, model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, is_out_of_memory
-from memfit.measuring.levers import attach_lever_facts
+from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler

@@ -11,7 +11,7 @@ __all__ = ["LeverFacts"]
 
 @dataclass
 class LeverFacts(Record):
-    """The numbers :mod:`memfit.stepmodel.levers` turns into a lever set's bytes.
+    """The numbers :mod:`memfit.stepmodel.with_levers` turns into a lever set's bytes.
 
     Parameter counts are exact (read from the model); the step's temporaries per element
     are measured once per optimizer kind on a parameter of its own (MemTracker, the step

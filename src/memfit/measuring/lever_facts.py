@@ -37,7 +37,7 @@ from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype
 from memfit.measuring.tracker import MemoryWatch
 from memfit.records import LeverFacts, Profile
-from memfit.stepmodel.levers import temp_key
+from memfit.stepmodel.with_levers import temp_key
 from memfit.vocab import WEIGHTS
 
 __all__ = ["PROBE_NUMEL", "attach_lever_facts", "lever_facts", "step_temp_per_element"]
