@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import typing
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_map
 from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.vocab import PrecisionName, normalize_precision
+from memfit.vocab import PrecisionChoice, PrecisionName, normalize_precision
 
 __all__ = ["DTYPES", "Precision"]
 
@@ -70,7 +71,7 @@ class Precision:
 
     def __init__(
         self,
-        mode: str = "auto",
+        mode: PrecisionChoice = "auto",
         device: str | torch.device | None = None,
         fp32_modules: Iterable[str | type[nn.Module]] = (),
     ) -> None:
@@ -161,5 +162,7 @@ class Precision:
 
 
 def as_precision(precision: str | Precision, device: str | torch.device | None = None) -> Precision:
-    """Accept a mode name or a :class:`Precision` (returned as is)."""
-    return precision if isinstance(precision, Precision) else Precision(precision, device=device)
+    """Accept a mode name (checked: an unknown one is refused) or a :class:`Precision` (returned as is)."""
+    if isinstance(precision, Precision):
+        return precision
+    return Precision(typing.cast(PrecisionChoice, precision), device=device)

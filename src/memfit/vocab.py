@@ -129,6 +129,16 @@ def _known_mode(mode: str) -> bool:
     return _OLD_MODE_SPELLINGS.get(mode, mode) in CHECKPOINT_MODES
 
 
+@typing.overload
+def normalize_precision(
+    precision: object, allow_auto: Literal[False] = False, what: str = "precision"
+) -> PrecisionName: ...
+
+
+@typing.overload
+def normalize_precision(precision: object, allow_auto: bool, what: str = "precision") -> PrecisionChoice: ...
+
+
 def normalize_precision(
     precision: object, allow_auto: bool = False, what: str = "precision"
 ) -> PrecisionChoice:

@@ -49,6 +49,7 @@ from memfit.trainer.distributed import DistContext, wrap_model
 from memfit.trainer.oom import OomConfig
 from memfit.trainer.state import state_key
 from memfit.trainer.trainer import Trainer
+from memfit.vocab import normalize_mode
 
 __all__ = ["BuiltRun", "build_run", "check_run"]
 
@@ -131,7 +132,7 @@ def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
         every = int(mode.split(":")[1])
         checkpoint(model, mode="full", every=every)
         return f"full on every {every} blocks ({', '.join(checkpointed_blocks(model))})"
-    checkpoint(model, mode=mode)
+    checkpoint(model, mode=normalize_mode(mode, what="memory.checkpointing"))
     return mode
 
 

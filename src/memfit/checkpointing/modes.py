@@ -142,7 +142,7 @@ def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:
 def checkpoint(
     model: nn.Module,
     blocks: str | Sequence[str] = "auto",
-    mode: str = "full",
+    mode: CheckpointMode = "full",
     every: int = 1,
 ) -> nn.Module:
     """Checkpoint the model's blocks in place and return the model.

@@ -23,7 +23,7 @@ from memfit.reading import read_bounded
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
-from memfit.vocab import PrecisionName, normalize_precision
+from memfit.vocab import PrecisionName, normalize_modes, normalize_precision
 
 #: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
 MAX_PLAN_BYTES = 64 * 2**20
@@ -91,7 +91,7 @@ def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
         blocks = {n: ("full" if i % k == 0 else "none") for i, n in enumerate(names)}
     else:
         blocks = dict.fromkeys(names, mode)
-    return Plan(blocks=blocks, micro_batches=cfg.train.grad_accum)
+    return Plan(blocks=normalize_modes(blocks), micro_batches=cfg.train.grad_accum)
 
 
 def _batches(cfg: Config, steps: int) -> tuple[list[Batch], list[Batch]]:

@@ -36,7 +36,7 @@ from memfit.planning.solver import Solution, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
 from memfit.records import Plan, Profile
 from memfit.stepmodel import predict_options_seconds, simulate_options, tiling
-from memfit.vocab import PRECISIONS, PrecisionName
+from memfit.vocab import PRECISIONS, PrecisionName, normalize_modes, normalize_precision
 
 __all__ = ["TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_profiles"]
 
@@ -176,9 +176,9 @@ def plan_from_profiles(
             prof = profiles[precision]
             names = [b.name for b in prof.blocks]
             return Plan(
-                blocks=dict(zip(names, sol.modes, strict=True)),
+                blocks=normalize_modes(dict(zip(names, sol.modes, strict=True))),
                 segments=[names[a : b + 1] for a, b in sol.segments],
-                precision=precision,
+                precision=normalize_precision(precision),
                 micro_batches=micro,
                 predicted_peak_bytes=sol.peak_bytes,
                 predicted_step_seconds=predict_options_seconds(prof, sol.options, micro),

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from memfit.errors import ConfigError
 from memfit.records.base import Record
-from memfit.vocab import LEVERS, normalize_modes
+from memfit.vocab import LEVERS, CheckpointMode, PrecisionName, normalize_modes
 
 __all__ = ["MAX_MICRO_BATCHES", "Plan"]
 
@@ -22,9 +22,9 @@ class Plan(Record):
     A Plan is plain data; :func:`memfit.apply` is the only thing that acts on it.
     """
 
-    blocks: dict[str, str]
+    blocks: dict[str, CheckpointMode]
     """``{block name: "none" | "selective" | "full"}`` (``"keep"`` from older plans reads as ``"none"``)."""
-    precision: str = "fp32"
+    precision: PrecisionName = "fp32"
     micro_batches: int = 1
     predicted_peak_bytes: int = 0
     predicted_step_seconds: float = 0.0
