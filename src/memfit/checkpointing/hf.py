@@ -13,10 +13,16 @@ Example:
     False
     >>> without_caches((1,), {"use_cache": True, "past_key_values": object()})
     ((1,), {'use_cache': False, 'past_key_values': None}, ['use_cache', 'past_key_values'])
+    >>> class Layer(nn.Module):
+    ...     def forward(self, h, position, use_cache=False, cache=None):
+    ...         return h
+    >>> without_caches((1, 0, True, object()), {}, Layer())[0]
+    (1, 0, False, None)
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torch import nn
@@ -37,10 +43,38 @@ def is_hf_cache(obj: Any) -> bool:
     return _from_transformers(type(obj), "Cache")
 
 
+_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _positional_names(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The names ``cls.forward`` gives its positional arguments (after ``self``), read once per class."""
+    if cls not in _NAMES:
+        try:
+            params = list(inspect.signature(cls.forward).parameters.values())[1:]
+        except (TypeError, ValueError):  # a builtin or C forward: nothing to read
+            params = []
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        _NAMES[cls] = tuple(p.name for p in params if p.kind in kinds)
+    return _NAMES[cls]
+
+
+def _off(name: str, value: Any) -> Any:
+    """``value`` with the cache turned off, if ``name`` is a cache flag or a cache argument."""
+    if name == "use_cache" and value is True:
+        return False
+    if name in _CACHE_KWARGS and value is not None:
+        return None
+    return value
+
+
 def without_caches(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
+    args: tuple[Any, ...], kwargs: dict[str, Any], module: nn.Module | None = None
 ) -> tuple[tuple[Any, ...], dict[str, Any], list[str]]:
-    """A block call's arguments with its caches turned off, and the names of what was changed."""
+    """A block call's arguments with its caches turned off, and the names of what was changed.
+
+    With ``module``, arguments passed by position are read by the names its ``forward``
+    gives them (RecurrentGemma's layers take ``use_cache`` and the cache by position).
+    """
     # Note [caches off in a recompute]
     # A Hugging Face decoder block appends this step's keys and values to the cache it is
     # given. Recomputed in backward, it would append them a second time (the cache doubles,
@@ -56,10 +90,13 @@ def without_caches(
         if out.get(key) is not None:
             out[key] = None
             changed.append(key)
-    new_args = tuple(None if is_hf_cache(a) else a for a in args)
-    if any(a is not b for a, b in zip(args, new_args, strict=True)):
+    names = _positional_names(type(module)) if module is not None else ()
+    new_args = tuple(_off(names[i], a) if i < len(names) else a for i, a in enumerate(args))
+    changed += [names[i] for i, (a, b) in enumerate(zip(args, new_args, strict=True)) if a is not b]
+    cleared = tuple(None if is_hf_cache(a) else a for a in new_args)
+    if any(a is not b for a, b in zip(new_args, cleared, strict=True)):
         changed.append("cache argument")
-    return new_args, out, changed
+    return cleared, out, changed
 
 
 def hf_checkpointing_active(model: nn.Module) -> bool:

@@ -72,7 +72,7 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
     module = layer.module
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # inference (generation): the block runs as written
-    args, kwargs, changed = without_caches(args, kwargs)
+    args, kwargs, changed = without_caches(args, kwargs, module)
     if changed and type(module) not in _TOLD:
         _TOLD.add(type(module))
         _log.warning(

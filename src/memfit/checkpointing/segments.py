@@ -103,7 +103,7 @@ def _head(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs:
     # Hugging Face caches off while training, as for a block checkpointed alone; the later
     # blocks are still matched against the arguments the model passed.
     # See Note [caches off in a recompute]
-    run_args, run_kwargs, _ = without_caches(args, kwargs)
+    run_args, run_kwargs, _ = without_caches(args, kwargs, layer.module)
     compiling = torch.compiler.is_compiling()
     contexts = compiled_contexts("full") if compiling else {"context_fn": lambda: _contexts(seg)}
     out = torch_checkpoint(
