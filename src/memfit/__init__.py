@@ -6,7 +6,8 @@ planned to fit a byte budget. Data flows one way: measure -> plan -> apply -> ru
 The top level holds the verbs and the few types a user holds; everything else lives in
 the module that owns it (records in :mod:`memfit.records`, errors in :mod:`memfit.errors`,
 budgets in :mod:`memfit.budget`, the built-in GPT in :mod:`memfit.models.gpt`, guards and
-thresholds in :mod:`memfit.check`). See docs/ARCHITECTURE.md for the map.
+thresholds in :mod:`memfit.check`). See docs/ARCHITECTURE.md for the map. The names are
+imported when first used, so ``import memfit`` alone imports no torch.
 
 Example:
     >>> import torch, memfit
@@ -17,19 +18,27 @@ Example:
     >>> _ = memfit.checkpoint(model, mode="selective")
 """
 
-from memfit.apply import apply
-from memfit.benchmarking.sweep import bench
-from memfit.check.stability import check_stability
-from memfit.checkpointing import checkpoint, find_blocks, uncheckpoint
-from memfit.errors import InfeasibleBudget, MemfitError, NonFiniteLoss
-from memfit.loop import prepare, train_step
-from memfit.measuring.estimate import estimate
-from memfit.measuring.memory import measure
-from memfit.measuring.profile import profile
-from memfit.planning.planner import plan
-from memfit.precision import Precision
-from memfit.records import Plan
-from memfit.trainer.trainer import Trainer
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memfit.apply import apply
+    from memfit.benchmarking.sweep import bench
+    from memfit.check.stability import check_stability
+    from memfit.checkpointing import checkpoint, find_blocks, uncheckpoint
+    from memfit.errors import InfeasibleBudget, MemfitError, NonFiniteLoss
+    from memfit.loop import prepare, train_step
+    from memfit.measuring.estimate import estimate
+    from memfit.measuring.memory import measure
+    from memfit.measuring.profile import profile
+    from memfit.planning.planner import plan
+    from memfit.precision import Precision
+    from memfit.records import Plan
+    from memfit.trainer.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -54,3 +63,60 @@ __all__ = [
     "train_step",
     "uncheckpoint",
 ]
+
+# Note [the lazy top level]
+# Importing torch takes seconds, and `memfit --help` or `memfit --version` need none of it,
+# so the top-level names are looked up on first use (PEP 562 `__getattr__`) in the module
+# that defines them, then kept. One of them, `apply`, shares its name with the module
+# memfit/apply.py that defines it; importing that module (which any part of memfit may do)
+# makes the import system set `memfit.apply` to the module, so the package's class ignores
+# that one assignment and `memfit.apply` stays the function, as it was when these names
+# were imported eagerly.
+
+#: Top-level name -> the module that defines it.
+_WHERE: dict[str, str] = {
+    "apply": "memfit.apply",
+    "bench": "memfit.benchmarking.sweep",
+    "check_stability": "memfit.check.stability",
+    "checkpoint": "memfit.checkpointing",
+    "find_blocks": "memfit.checkpointing",
+    "uncheckpoint": "memfit.checkpointing",
+    "InfeasibleBudget": "memfit.errors",
+    "MemfitError": "memfit.errors",
+    "NonFiniteLoss": "memfit.errors",
+    "prepare": "memfit.loop",
+    "train_step": "memfit.loop",
+    "estimate": "memfit.measuring.estimate",
+    "measure": "memfit.measuring.memory",
+    "profile": "memfit.measuring.profile",
+    "plan": "memfit.planning.planner",
+    "Precision": "memfit.precision",
+    "Plan": "memfit.records",
+    "Trainer": "memfit.trainer.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """A top-level name, imported from its module on first use (See Note [the lazy top level])."""
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'memfit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+class _TopLevel(types.ModuleType):
+    """The package's class: keeps a lazy name from being replaced by its namesake module."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if isinstance(value, types.ModuleType) and _WHERE.get(name) == f"{__name__}.{name}":
+            return  # See Note [the lazy top level]
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _TopLevel

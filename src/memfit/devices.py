@@ -39,6 +39,7 @@ __all__ = [
     "resolve_device",
     "room",
     "room_needed",
+    "slow_precisions",
     "unwrap",
 ]
 
@@ -245,14 +246,40 @@ def recommend_precision(facts: DeviceFacts) -> PrecisionName:
     return "fp32"
 
 
+def slow_precisions(facts: DeviceFacts) -> list[PrecisionName]:
+    """The mixed precisions this device runs without computing them natively.
+
+    They still halve what the forward keeps, so they may be chosen to save memory, but
+    never recommended for speed: emulated bf16 on a CPU can take many times fp32's step.
+
+    Example:
+        >>> cpu = DeviceFacts("cpu", "cpu", "CPU", 0, bf16_runs=True, fp16_runs=True)
+        >>> slow_precisions(cpu)
+        ['bf16', 'fp16']
+    """
+    return [p for p in MIXED_PRECISIONS if getattr(facts, f"{p}_runs") and not getattr(facts, f"{p}_native")]
+
+
 def recommendation_line(facts: DeviceFacts) -> str:
-    """One line of advice for this device."""
+    """One line of advice for this device (what ``memfit doctor`` prints).
+
+    Example:
+        >>> recommendation_line(DeviceFacts("cpu", "cpu", "CPU", 0, bf16_runs=True)).split("(")[1]
+        'bf16 runs here but is emulated: slow, use it only to save memory)'
+    """
     choice = recommend_precision(facts)
+    slow = slow_precisions(facts)
     if choice == "bf16":
         return "use bf16 autocast"
     if choice == "fp16":
         return "use fp16 with loss scaling"
-    return "fp32 compute; save memory with checkpointing"
+    if not slow:
+        return "fp32 compute; save memory with checkpointing"
+    verb = "runs here but is" if len(slow) == 1 else "run here but are"
+    return (
+        f"fp32 compute; save memory with checkpointing ({' and '.join(slow)} {verb} emulated: slow, use "
+        f"{'it' if len(slow) == 1 else 'them'} only to save memory)"
+    )
 
 
 #: What a step's estimated extra bytes are multiplied by, and what is added, before they

@@ -21,71 +21,20 @@ from memfit.app.build import build_model
 from memfit.app.config import Config, read_toml
 from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.benchmarking.copies import batch_to
-from memfit.benchmarking.pareto import recommendation
 from memfit.benchmarking.planned import planner_strategies
 from memfit.benchmarking.report import bench_table, default_meta, failed_lines, write_bench_files
 from memfit.benchmarking.strategies import builtin_strategies, resolve_strategies
 from memfit.benchmarking.sweep import bench
 from memfit.budget import Budget
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.advice import bench_advice
+from memfit.cli.arguments import BENCH_DEFAULT_BATCH
+from memfit.cli.common import config_from_args
 from memfit.devices import device_facts, resolve_device
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_dir
 from memfit.records import BenchPoint
 
-HELP = "measure peak memory and step time of every precision x checkpointing strategy, side by side"
-
-__all__ = ["HELP", "add_arguments", "check", "run"]
-
-# Note [the bench's default batch]
-# The bench runs every strategy several times, bf16/fp16 emulated on most CPUs; a modest
-# default batch keeps a default run to a couple of minutes. Ratios between strategies
-# change little with the batch; a batch set in the config or by --set is used.
-_DEFAULT_BATCH = 4
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The config options and the bench's own (strategies, budget, out, steps, batch size, threads)."""
-    add_config_arguments(parser)
-    parser.add_argument(
-        "--strategies",
-        action="append",
-        default=[],
-        metavar="NAMES",
-        help="comma-separated strategy names or patterns (fp32/none, bf16/*, */full, all; default all); "
-        "see --list",
-    )
-    parser.add_argument(
-        "--budget", help="answer 'what fits in this budget?': e.g. 2GiB, 500MB, 60%% (of fp32/none's peak)"
-    )
-    parser.add_argument("--out", help="directory for bench.md/json/csv/png (default: train.out)")
-    parser.add_argument(
-        "--steps", type=int, default=5, help="timed steps per strategy, interleaved (default 5)"
-    )
-    parser.add_argument(
-        "--slow-steps",
-        type=int,
-        default=1,
-        help="timed steps for precisions the device only emulates (bf16/fp16 on most CPUs; default 1)",
-    )
-    parser.add_argument(
-        "--batch-size",
-        type=int,
-        help=f"sequences per step (default: train.batch_size if the config or --set gives it, else "
-        f"{_DEFAULT_BATCH})",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        help="CPU threads for torch (default 1 on a CPU: single-threaded times are steadier on a "
-        "shared machine; 0 keeps torch's default)",
-    )
-    parser.add_argument(
-        "--plan",
-        metavar="BUDGETS",
-        help="also bench the planner's plan at each budget, e.g. '50%%,65%%,80%%' (points plan@BUDGET)",
-    )
-    parser.add_argument("--list", action="store_true", help="list the built-in strategies and exit")
+__all__ = ["check", "run"]
 
 
 def _device(cfg: Config) -> torch.device:
@@ -193,7 +142,7 @@ def _budget(args: argparse.Namespace, points: list[BenchPoint]) -> int | None:
     return Budget.parse(args.budget, "--budget").resolve(base.peak_bytes if base else None, "--budget")
 
 
-def _print_points(points: list[BenchPoint], budget: int | None, heading: str) -> None:
+def _print_points(points: list[BenchPoint], budget: int | None, heading: str, device: torch.device) -> None:
     print(heading)
     print(bench_table(points))
     failed = failed_lines(points)
@@ -201,7 +150,7 @@ def _print_points(points: list[BenchPoint], budget: int | None, heading: str) ->
         print("\nstrategies that could not run:")
         for line in failed:
             print(f"  {line}")
-    print("\n" + recommendation(points, budget))
+    print("\n" + bench_advice(points, budget, device_facts(device)))
 
 
 def _write(
@@ -238,7 +187,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(threads)
     torch.manual_seed(cfg.train.seed)
     spec = build_model(cfg.model)
-    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else _DEFAULT_BATCH)
+    # See Note [the bench's default batch]
+    batch_size = args.batch_size or (cfg.train.batch_size if _configured_batch(args) else BENCH_DEFAULT_BATCH)
     batch = _batch(cfg, spec, batch_size)
     plan_budgets = [b.strip() for b in (args.plan or "").split(",") if b.strip()]
     points = bench(
@@ -251,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         slow_steps=args.slow_steps,
         device=device,
         seed=cfg.train.seed,
-        progress=sys.stderr.isatty(),
+        progress=not args.quiet and sys.stderr.isatty(),
     )
     budget = _budget(args, points)
     params = sum(p.numel() for p in spec.model.parameters())
@@ -259,6 +209,6 @@ def run(args: argparse.Namespace) -> int:
         f"memfit bench on {device}: {params:,} parameters, batch {batch_size}, {args.steps} timed "
         f"steps each ({args.slow_steps} for precisions this device emulates)"
     )
-    _print_points(points, budget, heading)
+    _print_points(points, budget, heading, device)
     _write(args, points, budget, device, f"{cfg.model.name} ({params:,} parameters), batch {batch_size}")
     return 0

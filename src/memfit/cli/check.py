@@ -14,7 +14,7 @@ from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.apply import check_plan_fits
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.common import config_from_args
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError
 from memfit.levers.spec import normalize_levers
@@ -28,9 +28,8 @@ from memfit.vocab import PrecisionName, normalize_modes, normalize_precision
 #: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
 MAX_PLAN_BYTES = 64 * 2**20
 
-HELP = "compare bf16/fp16 training against fp32 (noise band, overflow attribution): PASS, WARN or FAIL"
 
-__all__ = ["HELP", "SMALL_MODEL", "add_arguments", "check", "run"]
+__all__ = ["SMALL_MODEL", "check", "run"]
 
 #: Without a config file the check trains this small built-in GPT (a minute or two on a CPU).
 SMALL_MODEL = [
@@ -40,29 +39,6 @@ SMALL_MODEL = [
     "model.block_size=32",
     "data.max_bytes=2000000",
 ]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The model and data options of ``memfit train``, plus what to check and where to write."""
-    add_config_arguments(parser)
-    parser.epilog = (
-        "Without CONFIG.toml: a 2-layer, 64-wide built-in GPT on 32-byte windows of Python's own "
-        "source (--set overrides apply on top)."
-    )
-    parser.add_argument(
-        "--precisions",
-        default="bf16,fp16",
-        help="comma-separated modes to check against fp32 (default bf16,fp16)",
-    )
-    parser.add_argument("--steps", type=int, default=30, help="training steps per run (default 30)")
-    parser.add_argument("--out", default=None, help="output directory (default: train.out of the config)")
-    parser.add_argument("--plan", default=None, help="a plan.json whose checkpointing the mixed runs use")
-    parser.add_argument(
-        "--levers",
-        default=None,
-        help="levers the checked runs use (comma-separated names or 'all'; default: the plan's, else none)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def _read_plan(path: str) -> Plan:

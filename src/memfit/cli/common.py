@@ -1,35 +1,18 @@
-"""Options shared by the subcommands that take a model: a config file and ``--set`` overrides."""
+"""The config that a subcommand's ``CONFIG.toml`` and ``--set`` options name."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable, Mapping
 
 from memfit.app.config import Config, load_config
 
-__all__ = ["add_config_arguments", "config_from_args"]
+__all__ = ["config_from_args", "zero_grads_note"]
 
 # Note [the work is not lost]
 # A command that cannot write its output file (a full disk, a directory it may not write)
 # has already spent minutes measuring: it prints what it made to stdout first, then fails
 # with one sentence (exit 2), so nothing already computed is lost.
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, config_required: bool = False) -> None:
-    """Add ``CONFIG`` (a TOML file) and ``--set section.key=value`` (repeatable)."""
-    parser.add_argument(
-        "config",
-        nargs=None if config_required else "?",
-        metavar="CONFIG.toml",
-        help="run configuration (TOML); defaults apply where it is silent",
-    )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override one config value, e.g. --set model.n_layer=8 (repeatable)",
-    )
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -> Config:
@@ -43,3 +26,18 @@ def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -
     cfg = load_config(getattr(args, "config", None), [*(extra or []), *args.overrides])
     args._config = cfg
     return cfg
+
+
+def zero_grads_note(breakdowns: Iterable[Mapping[str, int]]) -> str | None:
+    """Why a breakdown shows no gradient bytes (said under its table), or None when all show some.
+
+    Example:
+        >>> zero_grads_note([{"params": 8, "grads": 0}])[:14]
+        'gradients 0 B:'
+    """
+    if all(b.get("grads", 0) > 0 for b in breakdowns):
+        return None
+    return (
+        "gradients 0 B: the peak comes before the backward makes any gradient (the last step's were "
+        "freed by zero_grad(set_to_none=True); fused_step frees each at once)"
+    )

@@ -28,6 +28,7 @@ from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.app.schedule import lr_schedule
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
+from memfit.cli.common import zero_grads_note
 from memfit.errors import ConfigError
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.outputs import check_output_dir, write_text
@@ -39,37 +40,12 @@ from memfit.report.training import median_step_seconds, memory_rows, summarize
 from memfit.trainer.callbacks import MetricsLog
 from memfit.trainer.trainer import Trainer
 
-HELP = "train the built-in GPT on Python's own source: the baseline, then in less memory"
-
-__all__ = ["HELP", "add_arguments", "check", "run"]
+__all__ = ["check", "run"]
 
 #: The demo's model and batch: small enough for about two minutes on a busy 2-core CPU.
 _MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4, block_size=64)
 _BATCH = 16
 _LR = 2e-3
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--steps``, ``--baseline-steps``, ``--out``, ``--threads`` and ``--quiet``."""
-    parser.add_argument(
-        "--steps", type=int, default=250, help="training steps of the memfit run (default 250)"
-    )
-    parser.add_argument(
-        "--baseline-steps", type=int, default=10, help="steps of the baseline, run side by side (default 10)"
-    )
-    parser.add_argument("--out", default="memfit-out/demo", help="output directory (default memfit-out/demo)")
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads (default: 1 when the CPU is busy, else torch's)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument(
-        "--budget",
-        default="60%",
-        help="memory budget the planner fits the memfit run to (default 60%% of the baseline's peak)",
-    )
 
 
 def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
@@ -86,13 +62,22 @@ def _optimizer(model: torch.nn.Module, steps: int) -> tuple[torch.optim.Optimize
 
 
 def _describe(plan: Plan) -> str:
-    """E.g. ``"fp32, planned under 13.3 MiB: full 3, keep 1 of 4 blocks"``."""
+    """E.g. ``"fp32, planned under 13.3 MiB (60% of the fp32 peak): full 3, none 1 of 4 blocks"``."""
     counts = mode_counts(plan.blocks.values())
     parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
+    if plan.budget_bytes and plan.baseline_peak_bytes:
+        budget += f" ({plan.budget_bytes / plan.baseline_peak_bytes:.0%} of the fp32 peak)"
     micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
     blocks = f"{parts or 'no checkpointing'} of {len(plan.blocks)} blocks"
     return f"{plan.precision}, planned{budget}: {blocks}{micro}"
+
+
+def _losses(k: int, diff: float) -> str:
+    """How the paired losses compare: identical, or the largest difference."""
+    if diff == 0:
+        return f"over the first {k} steps the losses are identical"
+    return f"over the first {k} steps the losses differ by at most {diff:.3g}"
 
 
 def _threads(asked: int | None) -> int:
@@ -187,13 +172,13 @@ def _finish(
     print()
     print(text_table(headers, rows))
     print(
-        f"\nSame weights, same batches: over the first {k} steps the losses differ by at most {diff:.3g}. "
+        f"\nSame weights, same batches: {_losses(k, diff)}. "
         f"Peak memory is {ratio:.0%} of the baseline's ({format_bytes(base.memory.peak_bytes)} -> "
         f"{format_bytes(main.memory.peak_bytes)})."
     )
     loss_plot(
         out / "loss.png",
-        {"memfit (" + _describe(plan) + ")": main.history, "baseline (fp32, no checkpointing)": base.history},
+        {f"memfit ({plan.precision}, planned)": main.history, "baseline (fp32)": base.history},
         title="memfit demo: GPT on the Python standard library",
     )
     memory_plot(
@@ -210,7 +195,7 @@ def _finish(
         "",
         markdown_table(headers, rows),
         "",
-        f"Losses over the first {k} steps differ by at most {diff:.3g}.",
+        f"Same weights, same batches: {_losses(k, diff)}.",
         f"Step time is the median of untracked steps, measured side by side ({torch.get_num_threads()} "
         "CPU thread(s)); the machine may be shared, so treat it as a ratio, not a speed.",
         "",
@@ -218,6 +203,7 @@ def _finish(
         "",
         markdown_table(["part", "baseline", "memfit"], memory_rows(mem)),
         "",
+        *([f"{note}.", ""] if (note := zero_grads_note(r.breakdown for r in mem.values())) else []),
         "![loss](loss.png)",
         "",
         "![memory](memory.png)",

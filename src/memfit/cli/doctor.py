@@ -11,14 +11,7 @@ import torch
 from memfit.budget import format_bytes
 from memfit.devices import all_device_facts, default_device, device_facts, recommendation_line
 
-HELP = "show devices, memory, precision support and checkpointing features, with a recommendation"
-
-__all__ = ["HELP", "add_arguments", "doctor_facts", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--json`` prints the facts as JSON."""
-    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+__all__ = ["doctor_facts", "run"]
 
 
 def _features() -> dict[str, bool]:

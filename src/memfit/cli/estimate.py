@@ -12,40 +12,19 @@ import argparse
 
 from memfit.app.build import build_model
 from memfit.budget import format_bytes, parse_bytes
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.advice import speed_order
+from memfit.cli.common import config_from_args, zero_grads_note
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
-from memfit.levers.spec import allowed_levers, normalize_levers
+from memfit.devices import DeviceFacts, device_facts, resolve_device, slow_precisions
+from memfit.errors import ConfigError
+from memfit.levers.spec import allowed_levers, missing_torchao_hint, normalize_levers
 from memfit.measuring.estimate import estimate
 from memfit.planning.lever_sets import smallest_with_levers
-from memfit.records import Estimate
+from memfit.records import Estimate, EstimateEntry
 from memfit.report.memory_tables import strategy_table, verdict_line
 from memfit.vocab import PRECISIONS
 
-HELP = "predict peak memory for every precision x checkpointing mode with fake tensors (no allocation)"
-
-__all__ = ["HELP", "add_arguments", "check", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Config options, ``--device-memory``, ``--precision`` and ``--json``."""
-    add_config_arguments(parser)
-    parser.add_argument(
-        "--device-memory",
-        metavar="BYTES",
-        help="memory of the device you will train on, e.g. 24GiB or 80GB; the last line says what fits",
-    )
-    parser.add_argument(
-        "--precision",
-        action="append",
-        choices=PRECISIONS,
-        help="estimate only this precision (repeatable; default: fp32, bf16 and fp16)",
-    )
-    parser.add_argument(
-        "--levers",
-        default=None,
-        help="also print the smallest step these levers allow (comma-separated names or 'all')",
-    )
-    parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
+__all__ = ["check", "run"]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -63,13 +42,12 @@ class _Named:
         self.memfit_family = name
 
 
-def lever_line(est: Estimate, memory: int | None) -> str:
+def lever_line(est: Estimate, memory: int | None, refused: dict[str, str] | None = None) -> str:
     """The smallest step with levers, its peak and bytes per parameter, and whether it fits."""
     e = est.with_levers
     if e is None:
-        return (
-            "with levers: none of the levers asked for can be predicted here (torchao missing, or not AdamW)."
-        )
+        why = "; ".join((refused or {}).values()) or "the optimizer is not AdamW, or no lever facts"
+        return f"with levers: none of the levers asked for can be predicted here ({why.rstrip('.')})."
     state = sum(e.breakdown.get(k, 0) for k in ("params", "grads", "optimizer"))
     fits = (
         ""
@@ -100,9 +78,10 @@ def run(args: argparse.Namespace) -> int:
         precisions=args.precision or PRECISIONS,
         levers=bool(args.levers),
     )
+    refused: dict[str, str] = {}
     if args.levers:
         # offload is left out: its bytes are not in the step model (and a CPU refuses it)
-        allowed, _ = allowed_levers(
+        allowed, refused = allowed_levers(
             [n for n in normalize_levers(args.levers) if n != "offload"],
             device="cpu",
             optimizer=None if est.optimizer == "none" else _Named(est.optimizer),  # type: ignore[arg-type]
@@ -117,15 +96,46 @@ def run(args: argparse.Namespace) -> int:
         f"{est.optimizer}; estimated on {est.device} in {est.seconds:.1f} s"
     )
     print()
-    print(strategy_table(est.ordered(), memory))
+    facts = _speed_facts(cfg.train.device)
+    ordered = speed_order(est.ordered(), facts)
+    print(strategy_table(ordered, memory))
+    grads = zero_grads_note(e.breakdown for e in ordered)
+    if grads:
+        print(f"({grads}.)")
     print()
     print("assumptions:")
     for line in est.assumptions:
         print(f"  - {line}")
     if memory is not None:
         print(f"device memory: {format_bytes(memory)}")
-    verdict = verdict_line(est.ordered(), memory)
+    note = _speed_note(ordered, facts)
+    if note:
+        print(note)
+    verdict = verdict_line(ordered, memory)
     print(f"without levers, {verdict}" if args.levers else verdict)
     if args.levers:
-        print(lever_line(est, memory))
+        print(lever_line(est, memory, refused))
+        hint = missing_torchao_hint(args.levers)
+        if hint is not None and est.with_levers is not None:
+            print(f"{hint[0].upper()}{hint[1:]}.")
     return 0
+
+
+def _speed_facts(device: str) -> DeviceFacts | None:
+    """What ``train.device`` runs fast, when it is on this machine (None: not here, e.g. a GPU elsewhere)."""
+    try:
+        return device_facts(resolve_device(device))
+    except ConfigError:
+        return None
+
+
+def _speed_note(ordered: list[EstimateEntry], facts: DeviceFacts | None) -> str | None:
+    """Why the emulated precisions come last (their memory is still what it says)."""
+    slow = [p for p in (slow_precisions(facts) if facts else []) if any(e.precision == p for e in ordered)]
+    if not slow or facts is None:
+        return None
+    one = len(slow) == 1
+    return (
+        f"speed: {' and '.join(slow)} {'is' if one else 'are'} emulated on {facts.name} (see memfit doctor), "
+        f"so slow there and listed after fp32; {'it saves' if one else 'they save'} memory as shown."
+    )

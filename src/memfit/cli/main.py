@@ -1,12 +1,15 @@
 """Entry point of the ``memfit`` command: dispatches to one module per subcommand.
 
-Each subcommand module defines ``HELP`` (one line), ``add_arguments(parser)``,
-``run(args) -> int`` and, when it takes inputs worth checking, ``check(args)``, which
-validates every input (config, numbers, budgets, output paths) before any work starts.
-User errors (:class:`memfit.errors.MemfitError`) are printed as one sentence and exit with
-code 2; argparse usage errors also exit with 2 (one line, no usage dump). Nothing is ever
-shown as a traceback: running out of memory and unexpected errors are one line too
-(``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a bug report).
+The parser is built from :mod:`memfit.cli.arguments` (each subcommand's arguments and help,
+without torch); a subcommand's own module, ``memfit.cli.<cmd>``, is imported only when it
+runs. That module defines ``run(args) -> int`` and, when it takes inputs worth checking,
+``check(args)``, which validates every input (config, numbers, budgets, output paths)
+before any work starts. User errors (:class:`memfit.errors.MemfitError`) are printed as one
+sentence and exit with code 2; argparse usage errors also exit with 2 (one line, no usage
+dump). Nothing is ever shown as a traceback: running out of memory and unexpected errors
+are one line too (``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a
+bug report). ``--quiet`` sets ``MEMFIT_QUIET=1`` while the command runs, which every
+progress report of memfit honours.
 
 Example:
     >>> parse_args(["plan", "--budget", "-1GB"]).budget
@@ -16,30 +19,45 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
-import importlib.util
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import NoReturn
 
 import memfit
-from memfit.errors import MemfitError, UsageError, is_out_of_memory
+from memfit.cli.arguments import COMMANDS
 
 __all__ = ["main", "parse_args"]
 
-_COMMANDS = ("doctor", "demo", "train", "estimate", "profile", "plan", "bench", "check")
 #: A value that starts with a minus sign and a digit (``-1GB``): argparse takes it for an option.
 _NEGATIVE = re.compile(r"^-\.?\d")
 
 
+class _BadCommandLine(Exception):
+    """What argparse refused, in one sentence; raised before anything imports torch."""
+
+
 class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are :class:`UsageError`, never a usage dump and exit."""
+    """An ArgumentParser whose errors are one sentence, never a usage dump and exit."""
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see {self.prog} --help)")
+        raise _BadCommandLine(f"{message} (see {self.prog} --help)")
+
+
+class _Step:
+    """``check`` or ``run`` of ``memfit.cli.<command>``, imported when first called."""
+
+    def __init__(self, command: str, step: str) -> None:
+        self.command, self.step = command, step
+
+    def __call__(self, args: argparse.Namespace) -> int | None:
+        module = importlib.import_module(f"memfit.cli.{self.command}")
+        fn = getattr(module, self.step, None)
+        return None if fn is None else fn(args)
 
 
 @functools.cache
@@ -50,13 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
-    for name in _COMMANDS:
-        if importlib.util.find_spec(f"memfit.cli.{name}") is None:
-            continue
-        module = importlib.import_module(f"memfit.cli.{name}")
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run, _check=getattr(module, "check", None))
+    for name, command in COMMANDS.items():
+        p = sub.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(p)
+        p.set_defaults(_run=_Step(name, "run"), _check=_Step(name, "check"))
     return parser
 
 
@@ -76,17 +91,28 @@ def _join_negative_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return _parser().parse_args(_join_negative_values(args))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse a command line (``--help`` prints and exits with 0).
 
     Raises:
         UsageError: the command line cannot be parsed; one sentence.
     """
-    args = list(sys.argv[1:] if argv is None else argv)
-    return _parser().parse_args(_join_negative_values(args))
+    try:
+        return _parse(argv)
+    except _BadCommandLine as exc:
+        from memfit.errors import UsageError
+
+        raise UsageError(str(exc)) from None
 
 
 def _unexpected(command: str, exc: Exception) -> int:
+    from memfit.errors import is_out_of_memory
+
     first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ""
     if is_out_of_memory(exc):
         print(
@@ -103,17 +129,28 @@ def _unexpected(command: str, exc: Exception) -> int:
     return 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit code (argparse usage errors raise ``SystemExit(2)``)."""
+@contextlib.contextmanager
+def _quiet(on: bool) -> Iterator[None]:
+    """``MEMFIT_QUIET=1`` while the command runs (``--quiet``); the variable is restored after."""
+    before = os.environ.get("MEMFIT_QUIET")
+    if on:
+        os.environ["MEMFIT_QUIET"] = "1"
     try:
-        args = parse_args(argv)
-    except UsageError as exc:
-        print(f"memfit: error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+        yield
+    finally:
+        if on and before is None:
+            os.environ.pop("MEMFIT_QUIET", None)
+        elif on and before is not None:
+            os.environ["MEMFIT_QUIET"] = before
+
+
+def _run(args: argparse.Namespace) -> int:
+    from memfit.errors import MemfitError
+
     try:
-        if args._check is not None:
+        with _quiet(bool(getattr(args, "quiet", False))):
             args._check(args)
-        return int(args._run(args))
+            return int(args._run(args))
     except MemfitError as exc:
         print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -124,6 +161,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("MEMFIT_TRACEBACK"):
             raise
         return _unexpected(args.command, exc)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (argparse usage errors raise ``SystemExit(2)``)."""
+    try:
+        args = _parse(argv)
+    except _BadCommandLine as exc:
+        print(f"memfit: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return _run(args)
 
 
 if __name__ == "__main__":

@@ -12,55 +12,18 @@ from __future__ import annotations
 import argparse
 
 from memfit.budget import Budget, format_bytes
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.common import config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
-from memfit.errors import ConfigError
-from memfit.levers.spec import normalize_levers
+from memfit.errors import ConfigError, InfeasibleBudget
+from memfit.levers.spec import missing_torchao_hint, normalize_levers
 from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.planning.choose import candidate_precisions
 from memfit.planning.largest_batch import resize_batch
 from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import text_table
-from memfit.vocab import MAXIMIZE, PRECISION_CHOICES
 
-HELP = "plan per-block checkpointing, precision and micro-batches to fit a memory budget"
-
-__all__ = ["HELP", "add_arguments", "check", "plan_table", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Config options, ``--budget``, ``--precision``, ``--out``, ``--no-check``, ``--json``."""
-    add_config_arguments(parser)
-    parser.add_argument(
-        "--budget",
-        metavar="BUDGET",
-        help="peak memory of one training step: '2GiB', '500MB', '60%%' of the fp32 no-checkpointing "
-        "peak, bytes, or 'device' (what the device has room for now, less a margin; the default "
-        "when neither this nor memory.budget of the config is given)",
-    )
-    parser.add_argument(
-        "--precision",
-        nargs="+",
-        choices=PRECISION_CHOICES,
-        help="precision(s) to choose from (default: memory.precision of the config, auto: fp32 and "
-        "what the device runs natively, as memfit.plan in Python)",
-    )
-    parser.add_argument(
-        "--maximize",
-        choices=MAXIMIZE,
-        help="batch_size: find the largest batch (at the configured sequence length) that a plan fits "
-        "without micro-batches, starting from train.batch_size",
-    )
-    parser.add_argument(
-        "--levers",
-        default=None,
-        help="levers beyond activations the plan may use: comma-separated names or 'all' (default none)",
-    )
-    parser.add_argument("--verify", action="store_true", help="check the chosen levers against fp32")
-    parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
-    parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+__all__ = ["check", "plan_table", "run"]
 
 
 def plan_table(result: Plan) -> str:
@@ -98,6 +61,14 @@ def _budget_text(args: argparse.Namespace, configured: str) -> str:
     return args.budget if args.budget is not None else (configured or "device")
 
 
+def _with_missing_levers(exc: InfeasibleBudget, levers: str | None) -> InfeasibleBudget:
+    """``exc``, saying which levers torchao's absence left out and the command that adds it."""
+    hint = missing_torchao_hint(levers)
+    if hint is None:
+        return exc
+    return InfeasibleBudget(f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes)
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it under the budget, print the plan and write plan.json."""
     cfg = config_from_args(args)
@@ -109,10 +80,13 @@ def run(args: argparse.Namespace) -> int:
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
-    result = plan(
-        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
-        levers=args.levers, verify=args.verify,
-    )  # fmt: skip
+    try:
+        result = plan(
+            model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
+            levers=args.levers, verify=args.verify,
+        )  # fmt: skip
+    except InfeasibleBudget as exc:
+        raise _with_missing_levers(exc, args.levers) from None
     try:
         write_text(args.out, marked_json("plan", result.to_dict()), "the plan")
     except ConfigError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from memfit.budget import format_bytes, parse_bytes
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.common import config_from_args, zero_grads_note
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
 from memfit.measuring.profile import profile
@@ -19,25 +19,8 @@ from memfit.precision import Precision
 from memfit.records import EstimateEntry
 from memfit.report.memory_tables import block_table, strategy_table, verdict_line
 from memfit.stepmodel import simulate
-from memfit.vocab import PRECISION_CHOICES
 
-HELP = "profile each block's kept memory, backward peak, time and FLOPs under none/selective/full"
-
-__all__ = ["HELP", "add_arguments", "check", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Config options, ``--precision``, ``--repeats``, ``--device-memory``, ``--json``, ``--out``."""
-    add_config_arguments(parser)
-    parser.add_argument(
-        "--precision",
-        choices=PRECISION_CHOICES,
-        help="default: memory.precision of the config",
-    )
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (default 3)")
-    parser.add_argument("--device-memory", metavar="BYTES", help="memory to compare against, e.g. 24GiB")
-    parser.add_argument("--json", action="store_true", help="print the profile as JSON")
-    parser.add_argument("--out", metavar="FILE", help="also write the profile as JSON to FILE")
+__all__ = ["check", "run"]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -88,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         sim = simulate(prof, mode)
         entries.append(EstimateEntry(prof.precision, mode, sim.peak_bytes, sim.breakdown))
     print(strategy_table(entries, memory))
+    grads = zero_grads_note(e.breakdown for e in entries)
+    if grads:
+        print(f"({grads}.)")
     for note in prof.notes:
         print(f"note: {note}")
     if args.out:

@@ -14,32 +14,12 @@ from pathlib import Path
 from memfit.app.resume import resolve_resume
 from memfit.app.run import TrainRun, train_from_config
 from memfit.app.setup import check_run
-from memfit.cli.common import add_config_arguments, config_from_args
+from memfit.cli.common import config_from_args
 from memfit.devices import resolve_device
 from memfit.trainer.distributed import end_worker_process
 from memfit.trainer.signals import exit_code
 
-HELP = "train a model from a TOML config: metrics.jsonl, report.md and a resumable state.pt"
-
-__all__ = ["HELP", "add_arguments", "check", "run"]
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """CONFIG.toml, ``--set``, ``--resume [STATE]`` and ``--quiet``."""
-    add_config_arguments(parser)
-    parser.add_argument(
-        "--resume",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="STATE",
-        help="continue from a saved training state (default: state.pt in train.out); the state "
-        "holds the run's config, --set changes it",
-    )
-    parser.add_argument(
-        "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no per-evaluation lines")
+__all__ = ["check", "run"]
 
 
 def _normalize(args: argparse.Namespace) -> None:

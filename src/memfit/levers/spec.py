@@ -29,6 +29,7 @@ __all__ = [
     "STATE_LEVERS",
     "allowed_levers",
     "check_levers",
+    "missing_torchao_hint",
     "normalize_levers",
     "refusal",
     "state_kind",
@@ -41,6 +42,8 @@ STATE_LEVERS: dict[str, str] = {"state_bf16": "bf16", "state_8bit": "8bit", "sta
 ADAM_LIKE = ("Adam", "AdamW")
 #: Levers that need torchao's optimizers.
 _TORCHAO = (*STATE_LEVERS, "weights_bf16")
+#: The one command that installs what the torchao levers need.
+_TORCHAO_INSTALL = "pip install 'memfit[levers]'"
 
 
 def torchao_available() -> bool:
@@ -49,6 +52,27 @@ def torchao_available() -> bool:
         return importlib.util.find_spec("torchao") is not None
     except (ImportError, ValueError, AttributeError):  # an import blocked in sys.modules
         return False
+
+
+def missing_torchao_hint(levers: str | Iterable[str] | None) -> str | None:
+    """What of ``levers`` is left out for want of torchao, and the command that adds it; None if nothing.
+
+    For a command's output where ``levers="all"`` quietly plans without the state levers.
+
+    Example:
+        >>> hint = missing_torchao_hint("fused_step")
+        >>> hint is None
+        True
+    """
+    missing = [n for n in normalize_levers(levers) if n in _TORCHAO]
+    if not missing or torchao_available():
+        return None
+    names = ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "") + missing[-1]
+    return (
+        f"{names} {'were' if len(missing) > 1 else 'was'} left out: "
+        f"{'they need' if len(missing) > 1 else 'it needs'} torchao's low-precision AdamW, which is not "
+        f"installed; `{_TORCHAO_INSTALL}` adds it"
+    )
 
 
 def normalize_levers(levers: str | Iterable[str] | None) -> list[str]:
@@ -102,8 +126,8 @@ def refusal(
         )
     if lever in _TORCHAO and not torchao_available():
         return (
-            f"{lever} needs torchao's low-precision AdamW: `pip install torchao` (or memfit[levers]), "
-            f"or leave {lever} out."
+            f"{lever} needs torchao's low-precision AdamW: `pip install torchao` (or "
+            f"`pip install 'memfit[levers]'`), or leave {lever} out."
         )
     if lever in _TORCHAO and optimizer_name not in ADAM_LIKE:
         return (
