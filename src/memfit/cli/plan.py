@@ -64,7 +64,7 @@ def _budget_text(args: argparse.Namespace, configured: str) -> str:
 def _with_missing_levers(exc: InfeasibleBudget, levers: str | None) -> InfeasibleBudget:
     """``exc``, saying which levers torchao's absence left out and the command that adds it."""
     hint = missing_torchao_hint(levers)
-    if hint is None:
+    if hint is None or hint in str(exc):  # memfit.plan says it where the levers were planned
         return exc
     return InfeasibleBudget(f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes)
 

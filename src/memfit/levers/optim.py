@@ -128,7 +128,7 @@ def lever_optimizer(
     lever = "weights_bf16" if kind == "fp32" else f"state_{kind}"
     if not torchao_available():
         raise LeverRefused(
-            f"{lever} needs torchao (pip install torchao); install it or leave {lever} out.", lever
+            f"{lever} needs torchao: `pip install 'memfit[levers]'` adds it; or leave {lever} out.", lever
         )
     if family not in ADAM_LIKE:
         raise LeverRefused(f"{lever} needs torch.optim.Adam or AdamW; the optimizer is {family}.", lever)

@@ -37,6 +37,7 @@ from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.devices import Room, model_device, room
 from memfit.errors import ConfigError, InfeasibleBudget, is_out_of_memory
+from memfit.levers.spec import missing_torchao_hint
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.memory import MemoryWatch
 from memfit.measuring.preserve import create_optimizer_state, preserved
@@ -267,6 +268,8 @@ class _Request:
     budget: Budget
     room: Room | None
     held: int
+    asked: str | Sequence[LeverName] | None = None
+    """The levers as the caller named them (``"all"``: those this machine can run)."""
 
 
 def _request(
@@ -281,7 +284,7 @@ def _request(
     allowed, refused = resolve_levers(levers, device, optimizer, precision)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     # See Note [room before the snapshot]
-    return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer))
+    return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer), levers)
 
 
 def _measured_profiles(planner: _Planner, profiles: Mapping[str, Profile] | None) -> dict[str, Profile]:
@@ -309,7 +312,15 @@ def _chosen(
     allowed = request.levers
     for prof in profs.values() if allowed else []:
         attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model))
-    result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+    try:
+        result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+    except InfeasibleBudget as exc:
+        hint = missing_torchao_hint(request.asked)
+        if hint is None:
+            raise
+        raise InfeasibleBudget(
+            f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes
+        ) from None
     if verify and result.levers:
         failed = failing_levers(
             planner.model, planner.batch, planner.loss_fn, planner.optimizer, result, planner.measured

@@ -170,9 +170,11 @@ def time_note(profile: Profile) -> str:
         f"step time model ({profile.precision}): each block's forward counted as FlopCounterMode FLOPs "
         f"at {sp.flop_seconds * 1e12:.3g} s/TFLOP, bytes written (MemTracker) at "
         f"{sp.byte_seconds * 1e9:.3g} s/GB and aten ops at {sp.op_seconds * 1e6:.3g} us each "
-        f"(micro-benchmarks on {profile.device}), scaled x{sp.forward_scale:.3g} (forward) and "
-        f"x{sp.backward_scale:.3g} (backward) to {sp.timed_steps} timed steps"
+        f"(micro-benchmarks on {profile.device}); the whole step ran {sp.forward_scale:.3g}x (forward) and "
+        f"{sp.backward_scale:.3g}x (backward) as long as those counts predict, so every prediction is "
+        f"scaled by that (fitted to {sp.timed_steps} timed steps"
         + (f" {sp.timed_as}" if sp.timed_as else "")
+        + ")"
         + (
             f", a recompute at x{sp.recompute_scale:.3g} of that forward (fitted to {sp.timed_block} run "
             f"alone {sp.full_steps} times with and without checkpointing)"
