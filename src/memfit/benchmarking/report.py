@@ -100,7 +100,7 @@ def _baseline(points: Sequence[BenchPoint]) -> str:
     return next((p.baseline for p in points if p.ok), "")
 
 
-def _markdown(points: Sequence[BenchPoint], budget_bytes: int | None, meta: dict[str, Any]) -> str:
+def _markdown(points: Sequence[BenchPoint], meta: dict[str, Any], advice: str) -> str:
     lines = ["# memfit bench", ""]
     lines += [f"- {k}: {v}" for k, v in meta.items()]
     lines += [
@@ -112,7 +112,7 @@ def _markdown(points: Sequence[BenchPoint], budget_bytes: int | None, meta: dict
         "",
         markdown_table(BENCH_HEADERS, bench_rows(points)),
         "",
-        recommendation(points, budget_bytes),
+        advice,
         "",
     ]
     failed = failed_lines(points)
@@ -139,6 +139,7 @@ def write_bench_files(
     out_dir: str | Path,
     budget_bytes: int | None = None,
     meta: dict[str, Any] | None = None,
+    advice: str | None = None,
 ) -> dict[str, Path]:
     """Write bench.md, bench.json, bench.csv and bench.png into ``out_dir`` (created if needed).
 
@@ -147,6 +148,8 @@ def write_bench_files(
         out_dir: the directory; files of an earlier bench there are replaced.
         budget_bytes: drawn as a vertical line and answered in the recommendation.
         meta: extra header lines (date, machine, device, command, model).
+        advice: the recommendation to write (``memfit bench`` passes one that knows what the
+            device only emulates); default :func:`memfit.benchmarking.pareto.recommendation`.
 
     Returns:
         ``{"md": path, "json": path, "csv": path, "png": path}``.
@@ -157,11 +160,12 @@ def write_bench_files(
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(meta or {})
     paths = {ext: out / f"bench.{ext}" for ext in ("md", "json", "csv", "png")}
-    paths["md"].write_text(_markdown(points, budget_bytes, meta), encoding="utf-8")
+    advice = advice if advice is not None else recommendation(points, budget_bytes)
+    paths["md"].write_text(_markdown(points, meta, advice), encoding="utf-8")
     payload = {
         "meta": meta,
         "budget_bytes": budget_bytes,
-        "recommendation": recommendation(points, budget_bytes),
+        "recommendation": advice,
         "points": [p.to_dict() for p in points],
     }
     paths["json"].write_text(marked_json("bench", payload), encoding="utf-8")

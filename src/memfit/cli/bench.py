@@ -165,7 +165,8 @@ def _write(
     meta["timed steps"] = f"{args.steps} ({args.slow_steps} for precisions this device emulates)"
     meta["torch threads"] = torch.get_num_threads()
     try:
-        paths = write_bench_files(points, out, budget, meta)
+        advice = bench_advice(points, budget, device_facts(device))
+        paths = write_bench_files(points, out, budget, meta, advice)
     except OSError as exc:
         raise ConfigError(
             f"cannot write the bench files to {str(out)!r} ({exc.strerror or exc}); "
