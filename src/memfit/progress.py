@@ -41,11 +41,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import IO, Any, Literal, TypeVar
 
 __all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "style"]
 
@@ -54,6 +54,8 @@ Style = Literal["bar", "lines", "off"]
 
 #: Seconds between two plain lines of one phase (and the shortest phase whose end is a line).
 INTERVAL = 2.0
+
+T = TypeVar("T")
 
 #: Values of ``MEMFIT_QUIET`` that do not silence progress.
 _NOT_QUIET = frozenset({"", "0", "false", "no", "off"})
@@ -210,13 +212,15 @@ class Phase:
 
             fmt = None if total else "{desc} ({elapsed})"
             self._bar = tqdm(
-                total=total, desc=name, file=self._stream, leave=False, dynamic_ncols=True, bar_format=fmt
-            )
+                total=total, desc=name, file=self._stream, leave=False, dynamic_ncols=True, unit="step",
+                bar_format=fmt,
+            )  # fmt: skip
         elif how == "lines":
             _write(self._stream, f"memfit: {name}" + (f": 0/{total}" if total else ""))
 
     def advance(self, n: int = 1, detail: str | None = None) -> None:
-        """``n`` more steps done; ``detail`` (e.g. the mode now running) shows after the count."""
+        """``n`` more steps done; ``detail`` (what was just done: a mode, a strategy) shows after
+        the count."""
         with _lock:
             self.done += n
             self.detail = self.detail if detail is None else detail
@@ -231,6 +235,12 @@ class Phase:
             if now - self._last >= self._settings.interval:
                 self._last = now
                 _write(self._stream, self._line(now))
+
+    def over(self, items: Iterable[T]) -> Iterator[T]:
+        """Each of ``items``, advancing one step after each (``[run(x) for x in ph.over(xs)]``)."""
+        for item in items:
+            yield item
+            self.advance()
 
     def _line(self, now: float) -> str:
         elapsed = now - self._started
@@ -254,13 +264,14 @@ class Phase:
 
 @contextmanager
 def phase(name: str, total: int | None = None) -> Iterator[Phase]:
-    """A phase of work called ``name`` of ``total`` steps (None: not counted) while the body runs.
+    """A phase of work called ``name`` of ``total`` steps (None: not counted; 0: nothing to do,
+    nothing shown) while the body runs.
 
     Phases nest: a terminal shows a bar per phase, a log the innermost phase's lines. An
     exception in the body ends the phase (``stopped after`` in a log) and goes on.
     """
     with _lock:
-        ph = Phase(name, total, style())
+        ph = Phase(name, total, style() if total != 0 else "off")  # no steps: nothing to show
         _stack.append(ph)
     finished = False
     try:
