@@ -351,6 +351,9 @@ def _plan_batch(
     """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
     started = time.perf_counter()
     request = _request(model, optimizer, precision, levers, budget)
+    spec = request.budget
+    if spec.bytes is not None:  # refused at once, before any progress is shown
+        refuse_over_room(spec.bytes, spec, request.room, request.held, model_device(model))
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
@@ -451,5 +454,8 @@ def plan(
     def plan_at(sized: Batch, budget_bytes: int) -> Plan:
         return _plan_batch(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
 
-    with progress.phase(f"finding the largest batch that fits {_shown(budget)}"):
+    spec, device = Budget.parse(budget), model_device(model)
+    if spec.bytes is not None:  # refused at once, before any progress is shown
+        refuse_over_room(spec.bytes, spec, room(device), held_bytes(model, optimizer), device)
+    with progress.phase(f"finding the largest batch that fits {_shown(spec)}"):
         return largest_batch(model, batch, loss_fn, budget, optimizer, wanted, plan_at)
