@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from memfit.outputs import check_output_dir
 from memfit.planning.budgets import refuse_over_room
 from memfit.planning.planner import plan
 from memfit.precision import Precision
+from memfit.progress import configured
 from memfit.records import Plan, Profile
 from memfit.report.table import mode_counts
 from memfit.trainer.distributed import DistContext, wrap_model
@@ -136,6 +138,26 @@ def _apply_checkpointing(model: torch.nn.Module, mode: str) -> str:
     return mode
 
 
+def _plan(
+    cfg: Config,
+    model: torch.nn.Module,
+    sampler: Any,
+    spec: ModelSpec,
+    opt: torch.optim.Optimizer,
+    dist_ctx: DistContext,
+    profiles: dict[str, Profile],
+) -> Plan | None:
+    """The plan for ``memory.checkpointing = "auto"`` (None otherwise); ``profiles`` receives
+    what planning measured, for a re-plan after running out of memory."""
+    if cfg.memory.checkpointing != "auto":
+        return None
+    batch, budget, precision = sampler.batch_at(0), cfg.memory.budget, cfg.memory.precision
+    if dist_ctx.active:
+        # Planned on rank 0 for one rank's memory; every rank gets the same plan.
+        return plan_for_ranks(model, batch, spec.loss_fn, budget, opt, precision, dist_ctx)
+    return plan(model, batch, spec.loss_fn, budget, opt, precision, profiles=profiles)
+
+
 def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress: bool | None) -> BuiltRun:
     """Seed, then build data, model, optimizer, checkpointing (or plan) and the Trainer.
 
@@ -153,23 +175,9 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
     opt = cfg.optimizer.make(model.parameters())
-    chosen: Plan | None = None
     profiles: dict[str, Profile] = {}
-    if cfg.memory.checkpointing == "auto" and dist_ctx.active:
-        # Planned on rank 0 for one rank's memory; every rank gets the same plan.
-        chosen = plan_for_ranks(
-            model, sampler.batch_at(0), spec.loss_fn, budget_text, opt, cfg.memory.precision, dist_ctx
-        )
-    elif cfg.memory.checkpointing == "auto":
-        chosen = plan(
-            model,
-            sampler.batch_at(0),
-            spec.loss_fn,
-            budget_text,
-            opt,
-            cfg.memory.precision,
-            profiles=profiles,
-        )
+    with configured(quiet=True) if progress is False else nullcontext():  # --quiet: no planning lines
+        chosen = _plan(cfg, model, sampler, spec, opt, dist_ctx, profiles)
     if chosen is not None:
         apply(model, chosen)
         budget = chosen.budget_bytes

@@ -54,6 +54,7 @@ from memfit.measuring.phases import optimizer_state_bytes, phased_step
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.twin import make_twin, twin_precision
 from memfit.precision import Precision
+from memfit.progress import configured, phase
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
 from memfit.vocab import PrecisionName
@@ -250,15 +251,15 @@ def _wanted(runs: Sequence[_Run], device: torch.device, steps: int, slow_steps: 
     }
 
 
-def _memory_phase(b: _Bench, runs: Sequence[_Run], bar: Any) -> None:
+def _memory_phase(b: _Bench, runs: Sequence[_Run]) -> None:
     """Each strategy's peak and FLOPs, one at a time; then its share of recompute."""
-    for run in runs:
-        bar.set_postfix_str(run.strategy.name)
-        try:
-            _prepare(run, b.model, b.batch, b.loss_fn, b.optimizer, b.device, b.seed)
-        except Exception as exc:
-            _drop(run, exc, b.device)
-        bar.update(1)
+    with phase("bench: memory and FLOPs of each strategy", len(runs)) as shown:
+        for run in runs:
+            try:
+                _prepare(run, b.model, b.batch, b.loss_fn, b.optimizer, b.device, b.seed)
+            except Exception as exc:
+                _drop(run, exc, b.device)
+            shown.advance(detail=run.strategy.name)
     by_name = {r.point.strategy: r.point for r in runs}
     cache: dict[str, int] = {}
     for run in runs:
@@ -284,18 +285,20 @@ def _timed_step(b: _Bench, run: _Run) -> None:
     run.parked = park(run.model, run.optimizer, b.device)
 
 
-def _timed_rounds(b: _Bench, runs: Sequence[_Run], wanted: dict[str, int], bar: Any) -> None:
+def _timed_rounds(b: _Bench, runs: Sequence[_Run], wanted: dict[str, int]) -> None:
     """The timed steps, interleaved A B C A B C ... so that drift hits every strategy alike."""
-    for round_ in range(max(wanted.values())):
-        for run in runs:
-            if round_ >= wanted[run.point.strategy]:
-                continue
-            if run.point.ok and run.model is not None and run.precision is not None:
-                try:
-                    _timed_step(b, run)
-                except Exception as exc:
-                    _drop(run, exc, b.device)
-            bar.update(1)
+    total = sum(wanted[r.point.strategy] for r in runs)
+    with phase("bench: timed steps, strategies interleaved", total) as shown:
+        for round_ in range(max(wanted.values())):
+            for run in runs:
+                if round_ >= wanted[run.point.strategy]:
+                    continue
+                if run.point.ok and run.model is not None and run.precision is not None:
+                    try:
+                        _timed_step(b, run)
+                    except Exception as exc:
+                        _drop(run, exc, b.device)
+                shown.advance(detail=run.strategy.name)
 
 
 def bench(
@@ -309,7 +312,7 @@ def bench(
     baseline: str = "fp32/none",
     device: str | torch.device | None = None,
     seed: int = 0,
-    progress: bool = False,
+    progress: bool | None = None,
 ) -> list[BenchPoint]:
     """Measure peak bytes, median step time and FLOPs of every strategy on fresh model copies.
 
@@ -330,7 +333,8 @@ def bench(
             model on the CPU and pass ``device="cuda"``: a model left on the GPU is in
             every strategy's allocator peak.
         seed: RNG seed set before each strategy's warm-up, so dropout draws alike.
-        progress: show a tqdm bar on stderr.
+        progress: True: show progress (:mod:`memfit.progress`: a bar on a terminal, lines in
+            a log); False: none; None (default): as :mod:`memfit.progress` decides.
 
     Returns:
         One :class:`BenchPoint` per strategy in the order given (baseline first if it was
@@ -351,15 +355,11 @@ def bench(
     wanted = _wanted(runs, dev, steps, slow_steps)
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    from tqdm import tqdm
-
-    total = sum(1 + wanted[r.point.strategy] for r in runs)
-    bar = tqdm(total=total, desc="memfit bench", disable=not progress, unit="step")
     try:
-        _memory_phase(b, runs, bar)
-        _timed_rounds(b, runs, wanted, bar)
+        with configured(quiet=None if progress is None else not progress):
+            _memory_phase(b, runs)
+            _timed_rounds(b, runs, wanted)
     finally:
-        bar.close()
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

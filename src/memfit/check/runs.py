@@ -10,13 +10,12 @@ guarantees that no state leaks from one run to the next.
 
 Example:
     >>> import torch
-    >>> from tqdm import tqdm
     >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
     >>> def model_fn():
     ...     return GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     >>> batches = [(torch.randint(0, 256, (2, 8)),) * 2]
     >>> runner = CheckRunner(model_fn, batches, gpt_loss, lambda ps: torch.optim.SGD(ps, lr=0.1),
-    ...                      torch.device("cpu"), seed=0, clip_norm=None, bar=tqdm(disable=True))
+    ...                      torch.device("cpu"), seed=0, clip_norm=None)
     >>> len(runner.run("fp32", "fp32", [0, 0], 0, batches).curve.losses)
     2
 """
@@ -31,13 +30,13 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
 from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
 from memfit.levers.apply import apply_levers, remove_levers
 from memfit.precision import Precision
+from memfit.progress import phase
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
 from memfit.vocab import PrecisionName
@@ -98,7 +97,6 @@ class CheckRunner:
         device: torch.device,
         seed: int,
         clip_norm: float | None,
-        bar: tqdm,
     ) -> None:
         self.model_fn, self.batches, self.loss_fn, self.optimizer_fn = (
             model_fn,
@@ -106,7 +104,7 @@ class CheckRunner:
             loss_fn,
             optimizer_fn,
         )
-        self.device, self.seed, self.clip_norm, self.bar = device, seed, clip_norm, bar
+        self.device, self.seed, self.clip_norm = device, seed, clip_norm
         self.initial: dict[str, torch.Tensor] | None = None
 
     def build(self) -> nn.Module:
@@ -163,7 +161,8 @@ class CheckRunner:
         watch = OverflowWatch(model)
         # the fp32 runs go unwatched (hooks cost up to half a step on small models);
         # a non-finite fp32 loss is reported without attribution.
-        with watch if mode != "fp32" else contextlib.nullcontext():
+        watched = watch if mode != "fp32" else contextlib.nullcontext()
+        with watched, phase(f"training {name}", len(order)) as ph:
             for step, index in enumerate(order, start=1):
                 watch.begin_step()
                 r = training_step(
@@ -181,7 +180,7 @@ class CheckRunner:
                 curve.grad_norms.append(finite(r.grad_norm))
                 curve.scales.append(r.scale)
                 curve.skipped.append(r.skipped)
-                self.bar.update(1)
+                ph.advance()
                 scaled = precision.scaler.is_enabled()
                 if found is not None and first is None and not (scaled and found.phase == "backward"):
                     # Note [an fp16 gradient's overflow is no error]
@@ -190,7 +189,6 @@ class CheckRunner:
                     # overflows are real: loss scaling cannot repair them.
                     first = found
                 if not scaled and not math.isfinite(r.loss):
-                    self.bar.update(len(order) - step)
                     break  # without a scaler the weights are now lost; more steps add nothing
         curve.seconds = time.perf_counter() - start
         if "weights_bf16" in levers:

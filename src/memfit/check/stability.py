@@ -32,7 +32,6 @@ from typing import cast
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from memfit.apply import check_plan_fits
 from memfit.check.runs import CheckRunner, OptimizerFn, RunResult, finite, flat_params
@@ -41,6 +40,7 @@ from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
 from memfit.levers.spec import normalize_levers
 from memfit.precision import Precision
+from memfit.progress import configured, phase
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
 from memfit.vocab import MIXED_PRECISIONS, PrecisionName, normalize_precision
@@ -180,7 +180,6 @@ def _check_precision(
         # training one lost update can move the loss far (loss spikes). So the numbers
         # compare with an fp32 run that skips the same steps; the skips themselves are
         # judged by their own thresholds.
-        checker.bar.total += s.steps
         label = f"fp32 (skipping {p}'s skipped steps)"
         twin = checker.run(label, "fp32", s.order, s.seed, s.eval_batches, skip=skipped)
         base = twin
@@ -219,7 +218,7 @@ def check_stability(
     clip_norm: float | None = None,
     seed: int = 0,
     thresholds: Thresholds | None = None,
-    progress: bool = False,
+    progress: bool | None = None,
     levers: Sequence[str] | None = None,
 ) -> StabilityReport:
     """Train with fp32 and with each precision from identical weights and batches, and judge.
@@ -240,7 +239,8 @@ def check_stability(
         clip_norm: gradient clipping as in training (None: no clipping; norms are still measured).
         seed: seed of the weights and of the reference run's dropout.
         thresholds: verdict thresholds (default :class:`~memfit.check.verdict.Thresholds`).
-        progress: show a progress bar.
+        progress: True: show progress (:mod:`memfit.progress`: a bar on a terminal, lines in
+            a log); False: none; None (default): as :mod:`memfit.progress` decides.
         levers: levers (:mod:`memfit.levers`) the precision runs use (default: the plan's);
             the fp32 reference and noise runs use none, so the check proves the levers train
             the same model as plain fp32 AdamW.
@@ -259,8 +259,9 @@ def check_stability(
     for p in checked:
         Precision(p, device=dev)  # raises early when the device cannot run it
     s = _setup(batches, steps, seed, plan, eval_batches, thresholds, levers)
-    with tqdm(total=steps * (len(checked) + 2), desc="memfit check", disable=not progress) as bar:
-        checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm, bar)
+    runs = f"checking {', '.join(checked)} against fp32 ({len(checked) + 2} runs of {steps} steps)"
+    with configured(quiet=None if progress is None else not progress), phase(runs):
+        checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm)
         first = checker.build()
         if plan is not None:
             check_plan_fits(first, plan)

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from memfit import progress
 from memfit.checkpointing import set_block_modes
 from memfit.devices import model_device
 from memfit.records import Profile
@@ -145,17 +146,20 @@ def time_block_modes(
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {m: [] for m in modes}
     try:
-        for r in range(rounds + 1):
-            for mode in modes:
-                set_block_modes(model, {name: mode})
-                if cuda:
-                    torch.cuda.synchronize(device)
-                start = time.perf_counter()
-                _run(block, seen, autocast)
-                if cuda:
-                    torch.cuda.synchronize(device)
-                if r > 0:
-                    times[mode].append(time.perf_counter() - start)
+        with progress.phase(f"timing {name} alone", total=rounds) as shown:
+            for r in range(rounds + 1):
+                for mode in modes:
+                    set_block_modes(model, {name: mode})
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    _run(block, seen, autocast)
+                    if cuda:
+                        torch.cuda.synchronize(device)
+                    if r > 0:
+                        times[mode].append(time.perf_counter() - start)
+                if r > 0:  # round 0 warms each mode up
+                    shown.advance()
     finally:
         set_block_modes(model, {name: "none"})
     return times

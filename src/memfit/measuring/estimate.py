@@ -38,6 +38,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map_only
 
+from memfit import progress
 from memfit.budget import parse_bytes
 from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.devices import model_device
@@ -243,7 +244,8 @@ def estimate(
     started = time.perf_counter()
     memory = None if device_memory is None else parse_bytes(device_memory, what="device memory")
     checked, checked_modes = _checked_names(precisions, modes)
-    f = _build(model_fn, optimizer_fn, batch)
+    with progress.phase("building the model under fake tensors (nothing allocated)"):
+        f = _build(model_fn, optimizer_fn, batch)
     profiles, entries = _profiles_and_entries(
         f, batch, loss_fn, checked, checked_modes if f.blocks else ["none"]
     )
@@ -280,15 +282,17 @@ def _direct(
     for precision in precisions:
         prec = _fake_precision(precision, device)
         per_mode: dict[CheckpointMode, StepMemory] = {}
-        for mode in modes:
-            if blocks:
-                set_block_modes(model, {b: mode for b in blocks})
-            first = opt_phase is None
-            with batch_errors(model, batch):
-                mem = phased_step(model, batch, loss_fn, optimizer, prec, blocks, step_optimizer=first)
-            opt_phase = mem if first else opt_phase
-            per_mode[mode] = mem
-            entries.append(_entry(precision, mode, mem, opt_phase))
+        with progress.phase(f"{precision}: fake-tensor steps per checkpointing mode", len(modes)) as ph:
+            for mode in modes:
+                if blocks:
+                    set_block_modes(model, {b: mode for b in blocks})
+                first = opt_phase is None
+                with batch_errors(model, batch):
+                    mem = phased_step(model, batch, loss_fn, optimizer, prec, blocks, step_optimizer=first)
+                opt_phase = mem if first else opt_phase
+                per_mode[mode] = mem
+                entries.append(_entry(precision, mode, mem, opt_phase))
+                ph.advance(detail=mode)
         prof = profile_from_memory(model, blocks, per_mode, precision, batch_size(batch))
         if opt_phase is not None:
             prof.optimizer_temp_bytes = max(

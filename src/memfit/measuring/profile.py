@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit import progress
 from memfit.budget import format_bytes
 from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
 from memfit.checkpointing.segments import chain_probe
@@ -98,13 +99,8 @@ class Profiler:
         optimizer: torch.optim.Optimizer | None,
         precision: Precision,
     ) -> None:
-        self.model, self.batch, self.loss_fn, self.optimizer, self.precision = (
-            model,
-            batch,
-            loss_fn,
-            optimizer,
-            precision,
-        )
+        self.model, self.batch, self.loss_fn = model, batch, loss_fn
+        self.optimizer, self.precision = optimizer, precision
         self.blocks = find_blocks(model)
         self.memory: dict[CheckpointMode, StepMemory] = {}
         self.copied: dict[str, dict[str, set[str]]] = {}  # per mode and block: what in-place writes copied
@@ -131,6 +127,9 @@ class Profiler:
         """The mode and micro-batches whole steps were timed in."""
         self.failed: set[tuple[CheckpointMode, int]] = set()
         """Timing configurations that ran out of memory."""
+
+    def _phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
+        return progress.phase(f"{self.precision.mode}: {what}", total)
 
     def _subject(self, on_twin: bool) -> tuple[nn.Module, Batch, _Optimizer | None, Precision, _Context]:
         """What a memory step runs on: the fake twin (loss scaling off) or the real model."""
@@ -167,8 +166,9 @@ class Profiler:
         if self.twin is None and not self.twin_error:
             started = time.perf_counter()
             try:
-                self.twin = make_twin(self.model, self.optimizer, self.batch)
-                self.estimate = self._plain_step(on_twin=True)
+                with self._phase("one step under fake tensors (nothing allocated)"):
+                    self.twin = make_twin(self.model, self.optimizer, self.batch)
+                    self.estimate = self._plain_step(on_twin=True)
             except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]
                 first = (str(exc).strip().splitlines() or [""])[0][:200]
                 self.twin, self.twin_error = None, f"{type(exc).__name__}: {first}"
@@ -200,7 +200,8 @@ class Profiler:
         if self.plain_fits():
             started = time.perf_counter()
             try:
-                mem = self._plain_step(on_twin=False)
+                with self._phase("one tracked step without checkpointing"):
+                    mem = self._plain_step(on_twin=False)
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -265,6 +266,7 @@ class Profiler:
         active = [b for b in self.blocks if b not in skipped]
         started = time.perf_counter()
         with (
+            self._phase(f"estimating the peak from {len(active)} blocks"),
             skipping(self.model, list(skipped)),
             batch_errors(self.model, self.batch),
             chain_probe(self.model, active) as probe,
@@ -289,16 +291,18 @@ class Profiler:
         active = [b for b in self.blocks if b not in self.stand_in]
         model, batch, optimizer, precision, context = self._subject(self.fake)
         started = time.perf_counter()
-        with context, skipping(model, list(self.stand_in)):
+        how = "fake-tensor" if self.fake else "tracked"
+        shown = self._phase(f"{how} steps per checkpointing mode", len(modes))  # none: no line
+        with context, skipping(model, list(self.stand_in)), shown as ph:
             for mode in modes:
                 set_block_modes(model, {b: mode for b in active})
                 with watch_copies(model, active, self.copied.setdefault(mode, {})):
                     self.memory[mode] = phased_step(
                         model, batch, self.loss_fn, optimizer, precision, active, step_optimizer=False
                     )
+                ph.advance(detail=mode)
             uncheckpoint(model)
         if modes:
-            how = "fake-tensor" if self.fake else "tracked"
             self.measured.append(
                 f"{len(modes)} {how} step(s) at {self.precision.mode} ({', '.join(modes)}), "
                 f"{len(active)} of {len(self.blocks)} blocks run ({time.perf_counter() - started:.2f} s)"
@@ -385,9 +389,10 @@ class Profiler:
                 with (
                     capture_block_inputs(self.model, capture)
                     if capture
-                    else nullcontext(BlockInputs()) as seen
+                    else nullcontext(BlockInputs()) as seen,
+                    self._phase(f"timing whole steps{self._describe_timing()}", n) as ph,
                 ):
-                    return [self._timed(*self.timing) for _ in range(n)], seen
+                    return [self._timed(*self.timing) for _ in ph.over(range(n))], seen
             except Exception as exc:
                 if not is_out_of_memory(exc):
                     raise
@@ -410,7 +415,8 @@ class Profiler:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
         started = time.perf_counter()
         self.times += self._timed_steps(repeats)[0]
-        self.speed = measure_speed(model_device(self.model), self.precision)
+        with self._phase("micro-benchmarks of the device"):
+            self.speed = measure_speed(model_device(self.model), self.precision)
         self.measured.append(
             f"{repeats} timed step(s) at {self.precision.mode}{self._describe_timing()} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit import progress
 from memfit.checkpointing import set_block_modes
 from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import model_device
@@ -134,11 +135,14 @@ def fast_profiles(
         for precision in precisions:
             prec = make_precision(precision)
             per_mode: dict[CheckpointMode, StepMemory] = {}
-            for mode in modes:
-                set_block_modes(model, {b: mode for b in active})
-                per_mode[mode] = phased_step(
-                    model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
-                )
+            what = f"{precision}: steps per checkpointing mode ({len(active)} of {len(blocks)} blocks run)"
+            with progress.phase(what, len(modes)) as ph:
+                for mode in modes:
+                    set_block_modes(model, {b: mode for b in active})
+                    per_mode[mode] = phased_step(
+                        model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
+                    )
+                    ph.advance(detail=mode)
             short = profile_from_memory(model, blocks, per_mode, precision, batch_size(batch), skipped)
             short.param_bytes = param_bytes(model)
             short.grad_bytes = grad_bytes_of(model)

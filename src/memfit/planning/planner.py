@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memfit import progress
 from memfit.api_input import check_plan_inputs
 from memfit.apply import apply
 from memfit.budget import Budget, format_bytes
@@ -170,7 +171,8 @@ class _Planner:
         margin = 0
         segments = True
         for _ in range(_CHECKS):
-            measured, same_loss = self._measure_in_room(result, budget)
+            with progress.phase(f"measuring the chosen plan (one tracked step at {result.precision})"):
+                measured, same_loss = self._measure_in_room(result, budget)
             result.measured_peak_bytes = measured
             if not same_loss:
                 self.measured.append(
@@ -287,6 +289,19 @@ def _request(
     return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer), levers)
 
 
+def _shown(budget: int | str | Budget) -> str:
+    """A budget as progress shows it: ``60%``, ``2.00 GiB``, ``device``."""
+    spec = Budget.parse(budget)
+    return format_bytes(spec.bytes) if spec.bytes is not None else str(spec)
+
+
+def _planning(request: _Request, batch: Batch) -> str:
+    """What a plan's phase of progress says: ``planning a batch of 8 for 60% (fp32, bf16)``."""
+    return (
+        f"planning a batch of {batch_size(batch)} for {_shown(request.budget)} ({', '.join(request.wanted)})"
+    )
+
+
 def _measured_profiles(planner: _Planner, profiles: Mapping[str, Profile] | None) -> dict[str, Profile]:
     """The profiles to plan from: those given, or those the planner measures (and adds to a
     ``dict`` the caller passed, for a later re-plan)."""
@@ -347,10 +362,13 @@ def _plan_batch(
     """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
     started = time.perf_counter()
     request = _request(model, optimizer, precision, levers, budget)
+    spec = request.budget
+    if spec.bytes is not None:  # refused at once, before any progress is shown
+        refuse_over_room(spec.bytes, spec, request.room, request.held, model_device(model))
     before = checkpointed_blocks(model)
     try:
         uncheckpoint(model)
-        with preserved(model, optimizer):
+        with preserved(model, optimizer), progress.phase(_planning(request, batch)):
             planner = _Planner(model, batch, loss_fn, optimizer, request.wanted, request.budget)
             planner.room, planner.held = request.room, request.held
             planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
@@ -447,4 +465,8 @@ def plan(
     def plan_at(sized: Batch, budget_bytes: int) -> Plan:
         return _plan_batch(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
 
-    return largest_batch(model, batch, loss_fn, budget, optimizer, wanted, plan_at)
+    spec, device = Budget.parse(budget), model_device(model)
+    if spec.bytes is not None:  # refused at once, before any progress is shown
+        refuse_over_room(spec.bytes, spec, room(device), held_bytes(model, optimizer), device)
+    with progress.phase(f"finding the largest batch that fits {_shown(spec)}"):
+        return largest_batch(model, batch, loss_fn, budget, optimizer, wanted, plan_at)
