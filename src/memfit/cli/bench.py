@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         slow_steps=args.slow_steps,
         device=device,
         seed=cfg.train.seed,
-        progress=not args.quiet and sys.stderr.isatty(),
+        progress=False if args.quiet else None,
     )
     budget = _budget(args, points)
     params = sum(p.numel() for p in spec.model.parameters())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import cast
 
 import torch
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         device=resolve_device(cfg.train.device),
         clip_norm=cfg.optimizer.clip_norm or None,
         seed=cfg.train.seed,
-        progress=not args.quiet and sys.stderr.isatty(),
+        progress=False if args.quiet else None,
         levers=None if args.levers is None else normalize_levers(args.levers),
     )
     print(_summary(report))

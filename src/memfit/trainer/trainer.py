@@ -28,8 +28,8 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,6 +37,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from memfit import progress
 from memfit.check.guards import Guard, GuardConfig
 from memfit.devices import unwrap
 from memfit.errors import ConfigError, StateError
@@ -300,7 +301,7 @@ class Trainer:
         """Whether :meth:`fit` shows a progress bar (``progress``, else: stderr is a TTY)."""
         if self.progress is not None:
             return self.progress
-        return sys.stderr.isatty() and not os.environ.get("MEMFIT_QUIET")
+        return progress.style() == "bar"
 
     def fit(
         self,
@@ -334,6 +335,10 @@ class Trainer:
             callback.on_fit_start(self)
         completed = False
         bar = tqdm(total=steps, disable=not self.progress_enabled(), unit="step", dynamic_ncols=True)
+        # In a log (no terminal), the same progress as rate-limited plain lines on stderr.
+        in_lines = self.progress is not False and not self.progress_enabled() and progress.style() == "lines"
+        stack = contextlib.ExitStack()
+        phase = stack.enter_context(progress.phase("training", total=steps)) if in_lines else None
         try:
             for i in range(steps):
                 try:
@@ -343,16 +348,18 @@ class Trainer:
                 due = bool(eval_every) and (self.step_count + 1) % int(eval_every or 1) == 0
                 metrics = self.step(batch, eval_fn if (due or i == steps - 1) else None)
                 done.append(metrics)
+                postfix = progress_postfix(metrics, self.precision.scaler.is_enabled())
                 bar.update(1)
-                bar.set_postfix_str(
-                    progress_postfix(metrics, self.precision.scaler.is_enabled()), refresh=False
-                )
+                bar.set_postfix_str(postfix, refresh=False)
+                if phase is not None:
+                    phase.advance(1, postfix)
                 self.stop_reason = agreed_stop(self.stop_reason, self.dist)
                 if self.stop_reason is not None:
                     break
             completed = True
         finally:
             bar.close()
+            stack.close()
             self.fit_completed = completed
             self._end_fit()
         return done
