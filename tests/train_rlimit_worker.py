@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import sys
 
+import torch  # noqa: F401  (imported before the limit: the CLI imports it lazily, when it runs)
 from rlimit import limit_address_space
 
+import memfit.app.run  # noqa: F401  (memfit train's modules, likewise)
 from memfit.cli.main import main
 
 if __name__ == "__main__":
