@@ -7,9 +7,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.errors import ConfigError
+from memfit.errors import ConfigError, LeverRefused
+from memfit.levers import apply_levers, remove_levers
+from memfit.levers.head import chunked_head_of, head_refusal
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
+from memfit.levers.spec import allowed_levers
 from memfit.measuring.tracker import MemoryWatch
+from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+from memfit.models.llama import llama
+from memfit.records import Plan
 
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 #: bf16 matmuls in both; chunked sums the weight gradient in fp32 where the plain head sums in bf16.
@@ -120,3 +126,50 @@ def test_peak_at_a_32k_vocabulary_is_a_fraction_of_the_plain_head() -> None:
     # what is left: the weight, its fp32 gradient, and a few chunks of logits
     assert chunked <= 2 * weight + 4 * 64 * vocab * 4 + 4 * tokens * hidden * 4
     assert default_chunk_tokens(vocab) == 256
+
+
+# --- the chunked_loss lever on memfit's built-in models -------------------------------------
+
+
+def _builtin(name: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    if name == "gpt":
+        model: nn.Module = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16, vocab_size=1000))
+    else:
+        model = llama(preset="tiny", vocab_size=1000).model
+    x = torch.randint(0, 1000, (3, 16), generator=torch.Generator().manual_seed(1))
+    return model, (x, torch.roll(x, -1, 1))
+
+
+def _loss_and_grads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = gpt_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_lever_on_builtin_models_gives_the_plain_loss_and_gradients(name: str) -> None:
+    model, batch = _builtin(name)
+    ref_loss, ref_grads = _loss_and_grads(model, batch)
+    opt = torch.optim.AdamW(model.parameters())
+    assert apply_levers(model, opt, Plan(blocks={}, levers=["chunked_loss"])) is opt
+    assert chunked_head_of(model) == 8388  # 2**23 // 1000 tokens per chunk
+    model.loss_chunk_tokens = 5  # several chunks at this small batch
+    loss, grads = _loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **FP32_TOL, msg=n)
+    assert model(batch[0]).shape == (3, 16, 1000)  # without targets: logits, as before
+    remove_levers(model, opt)
+    assert chunked_head_of(model) is None
+
+
+def test_lever_is_refused_on_a_model_without_a_known_head() -> None:
+    seq = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
+    why = head_refusal(seq)
+    assert why is not None and "Sequential" in why and "linear_cross_entropy" in why
+    kept, refused = allowed_levers("all", device="cpu", optimizer=None, precision="fp32", model=seq)
+    assert "chunked_loss" not in kept and refused["chunked_loss"] == why
+    with pytest.raises(LeverRefused, match="Sequential"):
+        apply_levers(seq, torch.optim.SGD(seq.parameters()), Plan(blocks={}, levers=["chunked_loss"]))

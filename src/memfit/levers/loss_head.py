@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from memfit.errors import ConfigError
 
@@ -41,6 +42,7 @@ __all__ = [
     "CHUNK_ELEMENTS",
     "IGNORE_INDEX",
     "default_chunk_tokens",
+    "head_loss",
     "linear_cross_entropy",
     "plain_cross_entropy",
 ]
@@ -345,3 +347,14 @@ def plain_cross_entropy(
     logits = logits.float()
     flat = logits.reshape(-1, logits.shape[-1])
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index, reduction=reduction)
+
+
+def head_loss(
+    hidden: torch.Tensor, head: nn.Linear, targets: torch.Tensor, chunk_tokens: int | None
+) -> torch.Tensor:
+    """Next-token cross-entropy of memfit's built-in models: the whole logits (``chunk_tokens``
+    None: the plain head, upcast to fp32) or :func:`linear_cross_entropy` in chunks."""
+    if chunk_tokens is None:
+        logits = head(hidden)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return linear_cross_entropy(hidden, head.weight, targets, head.bias, chunk_tokens=chunk_tokens)
