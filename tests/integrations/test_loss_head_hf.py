@@ -119,3 +119,91 @@ def test_unknown_model_types_are_refused_with_the_reason() -> None:
     model = transformers.AutoModelForCausalLM.from_config(config)
     why = head_refusal(model)
     assert why is not None and "'mixtral'" in why
+
+
+# --- bytes: the step model's prediction against MemTracker, and memfit.plan -----------------
+
+BIG_VOCAB = 16384
+
+
+def _big(kind: str) -> nn.Module:
+    return _model(kind, vocab_size=BIG_VOCAB)
+
+
+def _big_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, BIG_VOCAB, (2, 96), generator=g)
+    labels = x.clone()
+    labels[:, :16] = -100
+    return x, labels
+
+
+def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -> int:
+    from memfit.measuring.preserve import create_optimizer_state, preserved
+    from memfit.measuring.tracker import MemoryWatch
+    from memfit.precision import Precision
+    from memfit.step import training_step
+
+    with preserved(model, opt):
+        used = apply_levers(model, opt, plan)
+        create_optimizer_state(model, used)
+        with MemoryWatch(model, used) as watch:
+            training_step(model, batch, labels_loss, used, Precision("fp32"))
+        remove_levers(model, used)
+    return watch.peak_bytes
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "cohere", "llama", "phi"])
+def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
+    import memfit
+    from memfit.measuring.lever_facts import attach_lever_facts
+    from memfit.measuring.preserve import preserved
+    from memfit.measuring.profile import Profiler
+    from memfit.precision import Precision
+    from memfit.stepmodel import simulate
+    from memfit.stepmodel.with_levers import with_levers
+
+    model, batch = _big(kind), _big_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with preserved(model, opt):
+        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
+        profiler.none()
+        blocks = memfit.find_blocks(model)
+        profile = attach_lever_facts(profiler.result(), model, opt, blocks, (batch, labels_loss))
+    assert profile.lever_facts.head is not None and not profile.lever_facts.head.refused
+    plain = _measured(model, batch, opt, Plan(blocks={}))
+    chunked = _measured(model, batch, opt, Plan(blocks={}, levers=["chunked_loss"]))
+    predicted = simulate(with_levers(profile, ["chunked_loss"]), "none").peak_bytes
+    print(
+        f"{kind}: plain {plain:,} B, chunked {chunked:,} B ({chunked / plain:.3f}x), "
+        f"predicted {predicted:,} B"
+    )
+    assert chunked < plain
+    assert abs(predicted - chunked) <= 0.05 * chunked
+
+
+def test_plan_chooses_the_head_lever_only_when_it_is_needed_to_fit() -> None:
+    """A Qwen2-style decoder (tied embeddings) at a 32k vocabulary, labels=: 0.5x the plain peak
+    fits with the head lever alone; a budget the plain step meets uses no lever."""
+    import memfit
+    from memfit.measuring.preserve import preserved
+
+    model = _model("qwen2", vocab_size=32768, hidden_size=64, num_attention_heads=4)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32768, (2, 128), generator=g)
+    batch = (x, x)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with preserved(model, opt):
+        plain = _measured(model, batch, opt, Plan(blocks={}))
+    roomy = memfit.plan(model, batch, labels_loss, int(1.05 * plain), opt, precision="fp32", levers="all")
+    assert "chunked_loss" not in roomy.levers
+    tight = memfit.plan(
+        model, batch, labels_loss, int(0.5 * plain), opt, precision="fp32", levers=["chunked_loss"]
+    )
+    print(
+        f"plain {plain:,} B; 0.5x plan {tight.levers} measured {tight.measured_peak_bytes:,} B, "
+        f"notes {tight.notes}"
+    )
+    assert tight.levers == ["chunked_loss"]
+    assert tight.measured_peak_bytes <= 0.5 * plain
+    assert any("no logits" in n for n in tight.notes)
