@@ -17,6 +17,7 @@ from torch import nn
 
 from memfit.devices import model_device
 from memfit.levers.fused import FusedStep, fused_step_of
+from memfit.levers.head import install_chunked_head, remove_chunked_head
 from memfit.levers.offload import clear_offload, offload_blocks
 from memfit.levers.optim import is_lever_optimizer, lever_optimizer
 from memfit.levers.spec import check_levers, state_kind
@@ -31,14 +32,17 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
 
     A state lever or ``weights_bf16`` returns a new optimizer (torchao's AdamW, same param
     groups and hyper-parameters); otherwise ``optimizer`` itself. ``weights_bf16`` casts the
-    weights in place; ``fused_step`` installs the hooks; ``offload`` wraps ``plan.offload``.
+    weights in place; ``fused_step`` installs the hooks; ``offload`` wraps ``plan.offload``;
+    ``chunked_loss`` makes the model compute its loss in chunks (:mod:`memfit.levers.head`).
     Levers of an earlier plan that this one does not use are taken off (bf16 weights stay).
 
     Raises:
         LeverRefused: a lever cannot run with this device, optimizer or precision.
     """
     levers = list(plan.levers)
-    check_levers(levers, device=model_device(model), optimizer=optimizer, precision=plan.precision)
+    check_levers(
+        levers, device=model_device(model), optimizer=optimizer, precision=plan.precision, model=model
+    )
     old = fused_step_of(optimizer)
     if old is not None:
         old.remove()
@@ -54,6 +58,9 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
     clear_offload(model)
     if "offload" in levers:
         offload_blocks(model, plan.offload)
+    remove_chunked_head(model)
+    if "chunked_loss" in levers:
+        install_chunked_head(model)
     if "fused_step" in levers:
         FusedStep(new)
     return new
@@ -65,3 +72,4 @@ def remove_levers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     if fused is not None:
         fused.remove()
     clear_offload(model)
+    remove_chunked_head(model)

@@ -1,9 +1,10 @@
 """Which levers a plan may use, and the one sentence saying why one cannot be used here.
 
 ``levers=None`` (the default everywhere) uses none: each lever changes the numerics
-(``state_*``, ``weights_bf16``) or the step's structure (``fused_step``, ``offload``), so
-it is used only when asked. ``"all"`` allows every lever this device, optimizer and
-precision can run; a list names them. At most one ``state_*`` lever applies at a time.
+(``state_*``, ``weights_bf16``) or the step's structure (``fused_step``, ``offload``,
+``chunked_loss``: the model's output has no logits), so it is used only when asked.
+``"all"`` allows every lever this device, optimizer, precision and model can run; a list
+names them. At most one ``state_*`` lever applies at a time.
 
 Example:
     >>> normalize_levers("fused_step,state_8bit")
@@ -20,8 +21,10 @@ import importlib.util
 from collections.abc import Iterable, Sequence
 
 import torch
+from torch import nn
 
 from memfit.errors import ConfigError, LeverRefused
+from memfit.levers.head import head_refusal
 from memfit.vocab import LEVERS
 
 __all__ = [
@@ -116,9 +119,13 @@ def refusal(
     device: str | torch.device,
     optimizer_name: str,
     precision: str,
+    model: nn.Module | None = None,
 ) -> str | None:
-    """Why ``lever`` cannot run here (one sentence), or None when it can."""
+    """Why ``lever`` cannot run here (one sentence), or None when it can (``chunked_loss``
+    is judged on ``model``; without one, when it is applied)."""
     dev = torch.device(device)
+    if lever == "chunked_loss":
+        return None if model is None else head_refusal(model)
     if lever == "offload" and dev.type != "cuda":
         return (
             "offload moves activations to host memory, which on a CPU is the memory they are in: it "
@@ -162,11 +169,12 @@ def allowed_levers(
     device: str | torch.device,
     optimizer: torch.optim.Optimizer | None,
     precision: str,
+    model: nn.Module | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The levers asked for that can run here, and ``{lever: why not}`` for the rest."""
     kept, refused = [], {}
     for lever in normalize_levers(levers):
-        why = refusal(lever, device=device, optimizer_name=_name(optimizer), precision=precision)
+        why = refusal(lever, device=device, optimizer_name=_name(optimizer), precision=precision, model=model)
         if why is None:
             kept.append(lever)
         else:
@@ -180,6 +188,7 @@ def check_levers(
     device: str | torch.device,
     optimizer: torch.optim.Optimizer | None,
     precision: str,
+    model: nn.Module | None = None,
 ) -> None:
     """Refuse a lever set that cannot run here.
 
@@ -189,6 +198,6 @@ def check_levers(
     """
     names = normalize_levers(levers)
     state_kind(names)
-    _, refused = allowed_levers(names, device=device, optimizer=optimizer, precision=precision)
+    _, refused = allowed_levers(names, device=device, optimizer=optimizer, precision=precision, model=model)
     for lever, why in refused.items():
         raise LeverRefused(why, lever)

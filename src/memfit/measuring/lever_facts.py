@@ -25,22 +25,33 @@ from __future__ import annotations
 import inspect
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from memfit.checkpointing.compile import eager
+from memfit.devices import unwrap
+from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
+from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
 from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype
-from memfit.measuring.tracker import MemoryWatch
-from memfit.records import LeverFacts, Profile
+from memfit.measuring.tracker import MemoryWatch, PhaseTracker
+from memfit.precision import Precision
+from memfit.records import HeadCost, HeadFacts, LeverFacts, Profile
 from memfit.stepmodel.with_levers import temp_key
 from memfit.vocab import WEIGHTS
 
-__all__ = ["PROBE_NUMEL", "attach_lever_facts", "lever_facts", "step_temp_per_element"]
+__all__ = [
+    "PROBE_NUMEL",
+    "attach_lever_facts",
+    "head_cost",
+    "head_facts",
+    "lever_facts",
+    "step_temp_per_element",
+]
 
 #: Elements of the parameter an optimizer kind's step temporaries are measured on.
 PROBE_NUMEL = 65536
@@ -170,10 +181,149 @@ def lever_facts(
     )
 
 
+# Note [the head measured alone]
+# The chunked head's bytes are predicted, not measured on the whole step: the head (the
+# model's own Linear, scale and soft-cap) runs alone on hidden states of the step's shape,
+# plain and chunked, under MemTracker, and the differences replace the plain head's part of
+# the outside's numbers (memfit.stepmodel.with_levers). The step's shape comes from one
+# forward of the loss function under no_grad, stopped where the head is called. Every byte
+# of both heads is linear in the tokens (logits, their fp32 copies, softmax and gradients:
+# tokens x vocab; hidden-state gradients: tokens x hidden; chunks and the weight's gradient:
+# constant), so above 4 chunks the head is measured at 2 and 4 chunks of tokens and
+# extrapolated: a 150k-vocabulary head is never made whole to be measured.
+
+
+class _Stop(Exception):
+    """Raised at the head's input to end the shape-finding forward there."""
+
+
+def _step_shape(
+    model: nn.Module, spec: HeadSpec, batch: Any, loss_fn: Callable[..., Any], precision: str
+) -> tuple[torch.Size, torch.dtype, bool] | None:
+    """The head input's shape and dtype in one step, and whether the loss went through the
+    model's own loss (``labels=`` / ``targets=``); None when the head was not reached."""
+    seen: dict[str, Any] = {}
+
+    def top(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        seen.setdefault("labels", kwargs.get("labels", kwargs.get("targets")) is not None)
+
+    def head(module: nn.Module, args: Any) -> None:
+        seen["hidden"] = args[0]
+        raise _Stop
+
+    hooks = [
+        unwrap(model).register_forward_pre_hook(top, with_kwargs=True),
+        spec.head.register_forward_pre_hook(head),
+    ]
+    chunk = chunked_head_of(model)
+    remove_chunked_head(model)  # the plain head is the one called
+    try:
+        with torch.no_grad(), Precision(precision, spec.head.weight.device).autocast():  # type: ignore[arg-type]
+            loss_fn(model, batch)
+    except _Stop:
+        pass
+    finally:
+        for h in hooks:
+            h.remove()
+        if chunk is not None:
+            install_chunked_head(model, chunk)
+    if "hidden" not in seen:
+        return None
+    hidden = seen["hidden"]
+    return hidden.shape, hidden.dtype, bool(seen.get("labels"))
+
+
+def head_cost(spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, chunk: int | None) -> HeadCost:
+    """MemTracker's bytes of the head alone on ``tokens`` hidden states (``chunk`` None: plain)."""
+    w = spec.head.weight
+    probe = nn.Linear(w.shape[1], w.shape[0], bias=spec.head.bias is not None, device=w.device, dtype=w.dtype)
+    torch.manual_seed(0)
+    h0 = torch.randn(tokens, w.shape[1], device=w.device, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, w.shape[0], (tokens,), device=w.device)
+    scale, cap = spec.logit_scale, spec.softcap
+    tracker = PhaseTracker(w.device, {}, {})
+    tracker.track_external(probe)
+    with eager(), tracker:
+        with Precision(precision, w.device).autocast():  # type: ignore[arg-type]
+            h = h0 * 1.0
+            tracker.enter_phase("head forward")
+            start = tracker.total()
+            if chunk is None:
+                loss = plain_cross_entropy(h, probe.weight, y, probe.bias, logit_scale=scale, softcap=cap)
+            else:
+                loss = linear_cross_entropy(
+                    h, probe.weight, y, probe.bias, logit_scale=scale, softcap=cap, chunk_tokens=chunk
+                )
+            del h
+            kept = tracker.total()
+        tracker.enter_phase("head backward")
+        loss.backward()
+    peaks = tracker.phase_peak
+    return HeadCost(kept - start, peaks["head forward"] - start, peaks["head backward"] - start)
+
+
+def _at_tokens(
+    spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, chunk: int | None, unit: int
+) -> HeadCost:
+    """:func:`head_cost` at ``tokens``; above 4 ``unit`` extrapolated from 2 and 4 of them
+    (Note [the head measured alone])."""
+    if tokens <= 4 * unit:
+        return head_cost(spec, tokens, dtype, precision, chunk)
+    a, b = (
+        head_cost(spec, 2 * unit, dtype, precision, chunk),
+        head_cost(spec, 4 * unit, dtype, precision, chunk),
+    )
+    f = (tokens - 2 * unit) / (2 * unit)
+    return HeadCost(
+        *(
+            round(x + (y - x) * f)
+            for x, y in zip(
+                (a.saved_bytes, a.forward_peak_bytes, a.backward_peak_bytes),
+                (b.saved_bytes, b.forward_peak_bytes, b.backward_peak_bytes),
+                strict=True,
+            )
+        )
+    )
+
+
+def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precision: str) -> HeadFacts | None:
+    """The loss head of one step of ``loss_fn(model, batch)``, plain and chunked; None when the
+    model has no head the ``chunked_loss`` lever knows (:func:`memfit.levers.head.head_refusal`)."""
+    spec = find_head(model)
+    if spec is None:
+        return None
+    shape = _step_shape(model, spec, batch, loss_fn, precision)
+    if shape is None:
+        return HeadFacts(
+            refused="the loss function never called the model's head, so chunked_loss has nothing to chunk."
+        )
+    size, dtype, through = shape
+    tokens, (vocab, hidden) = size[:-1].numel(), spec.head.weight.shape
+    chunk = default_chunk_tokens(vocab)
+    facts = HeadFacts(tokens=tokens, hidden=hidden, vocab=vocab, chunk_tokens=chunk)
+    if not through:
+        facts.refused = (
+            "the loss function computes the loss from the model's logits itself; chunked_loss chunks the "
+            "model's own loss: call the model with labels= (Hugging Face) or use memfit's gpt_loss."
+        )
+        return facts
+    facts.plain = _at_tokens(spec, tokens, dtype, precision, None, chunk)
+    facts.chunked = _at_tokens(spec, tokens, dtype, precision, chunk, chunk)
+    facts.weight_grad_bytes = vocab * hidden * 4
+    return facts
+
+
 def attach_lever_facts(
-    profile: Profile, model: nn.Module, optimizer: torch.optim.Optimizer | None, blocks: Sequence[str]
+    profile: Profile,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    blocks: Sequence[str],
+    step: tuple[Any, Callable[..., Any]] | None = None,
 ) -> Profile:
-    """Set ``profile.lever_facts`` and ``profile.weights`` from ``model`` (returns ``profile``)."""
+    """Set ``profile.lever_facts`` and ``profile.weights`` from ``model`` (returns ``profile``);
+    with ``step=(batch, loss_fn)`` also the loss head's (:func:`head_facts`)."""
     profile.lever_facts = lever_facts(model, optimizer, blocks)
+    if step is not None:
+        profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
     profile.weights = weights_dtype(model)
     return profile

@@ -23,6 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.devices import unwrap
+from memfit.levers.loss_head import head_loss
+
 __all__ = ["GPT", "GPTConfig", "gpt_loss"]
 
 
@@ -111,7 +114,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A byte-level GPT language model; ``forward(idx)`` returns logits."""
+    """A byte-level GPT language model; ``forward(idx)`` returns logits, ``forward(idx, targets)``
+    the next-token loss (in chunks of tokens under the ``chunked_loss`` lever)."""
+
+    #: Tokens per chunk of the loss head (:mod:`memfit.levers.head`); None: the whole logits.
+    loss_chunk_tokens: int | None = None
 
     def __init__(self, cfg: GPTConfig | None = None) -> None:
         super().__init__()
@@ -135,7 +142,7 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(
@@ -146,11 +153,19 @@ class GPT(nn.Module):
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)
+        if targets is not None:
+            return head_loss(self.ln_f(x), self.head, targets, self.loss_chunk_tokens)
         return self.head(self.ln_f(x))
 
 
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Next-byte cross-entropy: ``batch = (inputs, targets)``, both ``(B, T)`` integers."""
+    """Next-byte cross-entropy: ``batch = (inputs, targets)``, both ``(B, T)`` integers.
+
+    memfit's GPT and LLaMA compute it in their forward (``model(x, targets=y)``, where the
+    ``chunked_loss`` lever can chunk it); any other model's logits are taken here.
+    """
     x, y = batch
+    if isinstance(unwrap(model), GPT) or hasattr(unwrap(model), "loss_chunk_tokens"):
+        return model(x, targets=y)
     logits = model(x)
     return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))

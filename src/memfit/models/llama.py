@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.errors import ConfigError
+from memfit.levers.loss_head import head_loss
 from memfit.models.gpt import gpt_loss
 from memfit.models.spec import ModelSpec
 
@@ -160,7 +161,11 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """A LLaMA-style language model; ``forward(idx)`` returns logits."""
+    """A LLaMA-style language model; ``forward(idx)`` returns logits, ``forward(idx, targets)``
+    the next-token loss (in chunks of tokens under the ``chunked_loss`` lever)."""
+
+    #: Tokens per chunk of the loss head (:mod:`memfit.levers.head`); None: the whole logits.
+    loss_chunk_tokens: int | None = None
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -175,7 +180,7 @@ class Llama(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(
@@ -186,6 +191,8 @@ class Llama(nn.Module):
         cos, sin = self.get_buffer("cos")[:t], self.get_buffer("sin")[:t]
         for block in self.blocks:
             x = block(x, cos, sin)
+        if targets is not None:
+            return head_loss(self.norm(x), self.head, targets, self.loss_chunk_tokens)
         return self.head(self.norm(x))
 
 

@@ -1,12 +1,14 @@
 """Plans with levers (:mod:`memfit.levers`): the least risky lever set that fits the budget.
 
 Levers change numerics (``state_*``, ``weights_bf16``) or the step's structure
-(``fused_step``), so the planner uses them only when asked (``levers=``) and only as far
-as the budget needs: it tries lever sets from the least to the most numeric risk (no
-lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights), each without and then
-with the fused step (exact, but its clipping runs the backward twice), and keeps the
-first whose plan fits. Every set is predicted from the same profiles
-(:func:`memfit.stepmodel.with_levers.with_levers`, a pure function): no lever set costs a step.
+(``fused_step``, ``chunked_loss``), so the planner uses them only when asked (``levers=``)
+and only as far as the budget needs: it tries lever sets from the least to the most
+numeric risk (no lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights), each
+without and then with the fused step (exact, but its clipping runs the backward twice),
+each of those without and then with the chunked loss head (exact to fp32 rounding; the
+model's output loses its logits), and keeps the first whose plan fits. Every set is
+predicted from the same profiles (:func:`memfit.stepmodel.with_levers.with_levers`, a pure
+function): no lever set costs a step.
 
 ``offload`` is applied when a plan names it (``Plan.offload``) but the planner does not
 choose it (it is CUDA-only, and its bytes are not in the step model yet).
@@ -47,6 +49,7 @@ __all__ = [
     "resolve_levers",
     "savings",
     "smallest_with_levers",
+    "usable_levers",
 ]
 
 #: Numeric risk of each state kind (none first).
@@ -58,15 +61,34 @@ def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
     states: list[str | None] = [None, *[n for n in STATE_LEVERS if n in allowed]]
     weights = [False, True] if "weights_bf16" in allowed else [False]
     fused = [False, True] if "fused_step" in allowed else [False]
+    heads = [False, True] if "chunked_loss" in allowed else [False]
     sets = []
     for w in weights:
         for s in states:
             for f in fused:
-                names = {"fused_step"} if f else set()
-                names |= {s} if s else set()
-                names |= {"weights_bf16"} if w else set()
-                sets.append(((2 * _STATE_RISK[s] + 7 * w, f), [str(n) for n in LEVERS if n in names]))
+                for h in heads:
+                    names = {"fused_step"} if f else set()
+                    names |= {s} if s else set()
+                    names |= {"weights_bf16"} if w else set()
+                    names |= {"chunked_loss"} if h else set()
+                    key = (2 * _STATE_RISK[s] + 7 * w, f, h)
+                    sets.append((key, [str(n) for n in LEVERS if n in names]))
     return [names for _, names in sorted(sets, key=lambda kv: kv[0])]
+
+
+def usable_levers(
+    profiles: Mapping[str, Profile], allowed: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """``allowed`` less ``chunked_loss`` where the profiles cannot predict it, with the reason
+    (its head facts say the loss does not go through the model's head, or were not measured)."""
+    if "chunked_loss" not in allowed:
+        return list(allowed), {}
+    for prof in profiles.values():
+        head = prof.lever_facts.head if prof.lever_facts is not None else None
+        why = "its loss head was not measured" if head is None else head.refused
+        if why:
+            return [n for n in allowed if n != "chunked_loss"], {"chunked_loss": why}
+    return list(allowed), {}
 
 
 def resolve_levers(
@@ -74,6 +96,7 @@ def resolve_levers(
     device: torch.device,
     optimizer: torch.optim.Optimizer | None,
     precision: PrecisionChoice | Sequence[PrecisionName],
+    model: nn.Module | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The levers a plan may use, and ``{lever: why not}`` for those of ``"all"`` that cannot run.
 
@@ -82,7 +105,7 @@ def resolve_levers(
         ConfigError: an unknown lever name.
     """
     mode = precision if isinstance(precision, str) else ("auto" if "bf16" in precision else precision[0])
-    allowed, refused = allowed_levers(levers, device=device, optimizer=optimizer, precision=mode)
+    allowed, refused = allowed_levers(levers, device=device, optimizer=optimizer, precision=mode, model=model)
     if not (isinstance(levers, str) and levers.strip() == "all"):
         for lever, why in refused.items():
             raise LeverRefused(why, lever)
@@ -156,6 +179,7 @@ def smallest_with_levers(profiles: Mapping[str, Profile], allowed: Sequence[str]
     None when no lever set can be predicted (no lever facts, or no lever allowed).
     """
     best: EstimateEntry | None = None
+    allowed, _ = usable_levers(profiles, allowed)
     for levers in lever_sets(allowed):
         if not levers or any(p.lever_facts is None for p in profiles.values()):
             continue

@@ -79,6 +79,15 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
             "fused_step: with clip_norm the last micro-batch's backward runs twice (norms first, then the "
             "steps), which the predicted step time does not include; without clipping it adds no work."
         )
+    head = profiles[result.precision].lever_facts
+    if "chunked_loss" in result.levers and head is not None and head.head is not None:
+        h = head.head
+        notes.append(
+            f"chunked_loss: the loss head ({h.tokens} tokens x {h.vocab} vocabulary) runs in chunks of "
+            f"{h.chunk_tokens} tokens; its backward peak {h.plain.backward_peak_bytes:,} B plain, "
+            f"{h.chunked.backward_peak_bytes:,} B chunked. The model's output has no logits (None) when it "
+            "computes the loss (labels= / targets=); without labels it is unchanged."
+        )
     # The profile's notes on in-place writes, for the blocks the plan runs in those modes.
     for note in profiles[result.precision].notes:
         blocks, modes = inplace_parts(note)

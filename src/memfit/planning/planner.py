@@ -46,7 +46,13 @@ from memfit.measuring.profile import Profiler
 from memfit.planning.budgets import fixed_bytes, held_bytes, refuse_over_room, resolve_in_room
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.planning.largest_batch import largest_batch
-from memfit.planning.lever_sets import levers_applied, plan_with_levers, replan_without, resolve_levers
+from memfit.planning.lever_sets import (
+    levers_applied,
+    plan_with_levers,
+    replan_without,
+    resolve_levers,
+    usable_levers,
+)
 from memfit.planning.notes import complete_profile, plan_notes
 from memfit.planning.verify import failing_levers
 from memfit.precision import Precision
@@ -283,7 +289,7 @@ def _request(
 ) -> _Request:
     device = model_device(model)
     wanted = candidate_precisions(precision, device)
-    allowed, refused = resolve_levers(levers, device, optimizer, precision)
+    allowed, refused = resolve_levers(levers, device, optimizer, precision, model)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     # See Note [room before the snapshot]
     return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer), levers)
@@ -325,8 +331,11 @@ def _chosen(
 ) -> tuple[Plan, dict[str, Profile]]:
     """The fastest plan that fits, with the least risky levers it needs (verified if asked)."""
     allowed = request.levers
+    step = (planner.batch, planner.loss_fn) if "chunked_loss" in allowed else None
     for prof in profs.values() if allowed else []:
-        attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model))
+        attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model), step)
+    allowed, unusable = usable_levers(profs, allowed)
+    request.refused.update(unusable)
     try:
         result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
     except InfeasibleBudget as exc:

@@ -16,7 +16,7 @@ from memfit.records.base import Record
 from memfit.records.bench import BenchPoint
 from memfit.records.check import ModuleRange, NonFinite, PrecisionCheck, RunCurve, StabilityReport
 from memfit.records.estimate import Estimate, EstimateEntry
-from memfit.records.lever_facts import LeverFacts
+from memfit.records.lever_facts import HeadCost, HeadFacts, LeverFacts
 from memfit.records.memory import BREAKDOWN_KEYS, MemoryReport
 from memfit.records.plan import Plan
 from memfit.records.profile import BlockStats, Profile, Speed
@@ -28,6 +28,8 @@ __all__ = [
     "BlockStats",
     "Estimate",
     "EstimateEntry",
+    "HeadCost",
+    "HeadFacts",
     "LeverFacts",
     "MemoryReport",
     "ModuleRange",

@@ -239,7 +239,8 @@ def _walk(profile: Profile, micro_batches: int, opts: list[Option]) -> _Walk:
         early=early,
         block_grads=block_grads,
         outside_grads=outside_grads,
-        out_fwd=_scaled(max(out.forward_peak_bytes.values(), default=0), s),
+        # the chunked loss head's weight gradient (memfit.stepmodel.with_levers) does not shrink
+        out_fwd=_scaled(max(out.forward_peak_bytes.values(), default=0), s, out.forward_fixed_bytes),
         out_bwd=_scaled(max(out.backward_peak_bytes.values(), default=0), s, early),
         stem_fwd=_scaled(profile.outside_before_forward_peak_bytes, s),
         stem_bwd=_scaled(max(0, profile.outside_before_backward_peak_bytes - outside_grads), s),

@@ -14,6 +14,11 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
 - Time: a state lever's optimizer step costs its measured seconds per element instead of the
   user's optimizer's (``Profile.step_seconds`` moves by the difference); the fused step adds
   no work without clipping (with clipping the last backward runs twice: not predicted).
+- ``chunked_loss``: the loss head's part of the outside's numbers (forward and backward
+  peaks, what it keeps) moves from the plain head's bytes to the chunked head's, both
+  measured on the head alone at the step's shape (:class:`memfit.records.HeadFacts`; see
+  Note [the head measured alone] in :mod:`memfit.measuring.lever_facts`); the chunked
+  head's fp32 weight gradient, made in its forward, does not shrink with micro-batches.
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
   profile (an estimate), parameters and gradients are halved and activations kept, an
   upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
@@ -37,7 +42,7 @@ import copy
 from collections.abc import Sequence
 
 from memfit.errors import ConfigError
-from memfit.records import Profile
+from memfit.records import LeverFacts, Profile
 from memfit.vocab import LEVERS, WEIGHTS
 
 __all__ = ["state_bytes", "state_kind_of", "temp_key", "with_levers"]
@@ -138,6 +143,8 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         new, old = sec.get(temp_key(kind, weights)), sec.get(temp_key("orig", profile.weights))
         if new is not None and old is not None and profile.step_seconds > 0:
             out.step_seconds = max(0.0, profile.step_seconds + (new - old) * sum(numels))
+    if "chunked_loss" in names:
+        _chunked_head(out, facts)
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
@@ -145,6 +152,32 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
             for part, ns in facts.params.items()
         }
     return out
+
+
+def _chunked_head(out: Profile, facts: LeverFacts) -> None:
+    """``out``'s outside with the chunked head instead of the plain one (in place)."""
+    head = facts.head
+    if head is None or head.refused:
+        why = (
+            head.refused
+            if head is not None
+            else "this profile has no loss-head facts; plan with the lever again"
+        )
+        raise ConfigError(f"chunked_loss cannot be predicted: {why}")
+    plain, chunked = head.plain, head.chunked
+    o = out.outside
+    o.saved_bytes = {m: max(0, v + chunked.saved_bytes - plain.saved_bytes) for m, v in o.saved_bytes.items()}
+    delta = chunked.forward_peak_bytes - plain.forward_peak_bytes
+    o.forward_peak_bytes = {m: max(0, v + delta) for m, v in o.forward_peak_bytes.items()}
+    delta = chunked.backward_peak_bytes - plain.backward_peak_bytes
+    o.backward_peak_bytes = {m: max(0, v + delta) for m, v in o.backward_peak_bytes.items()}
+    o.forward_fixed_bytes += head.weight_grad_bytes
+    out.activation_bytes = max(0, out.activation_bytes + chunked.saved_bytes - plain.saved_bytes)
+    out.notes = [
+        *out.notes,
+        f"chunked_loss: the loss head in chunks of {head.chunk_tokens} tokens; the model's output has "
+        "no logits when it computes the loss.",
+    ]
 
 
 def profile_grad(profile: Profile, name: str) -> int:

@@ -1,0 +1,209 @@
+"""The chunked_loss lever on Hugging Face causal LMs built from configs: same loss, same gradients."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers", reason="memfit[hf] extra (transformers) not installed")
+
+from memfit.levers import apply_levers, remove_levers  # noqa: E402
+from memfit.levers.head import chunked_head_of, find_head, head_refusal, install_chunked_head  # noqa: E402
+from memfit.records import Plan  # noqa: E402
+
+FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
+VOCAB = 1000
+
+#: model type -> config fields beyond the size: one of each head the lever handles.
+CASES = {
+    "qwen2": {"tie_word_embeddings": True},  # tied embeddings
+    "gemma2": {"head_dim": 16, "final_logit_softcapping": 2.0},  # soft-capped logits
+    "cohere": {"logit_scale": 0.25},  # scaled logits (tied by default)
+    "llama": {},  # untied head; labels with ignored tokens
+    "phi": {},  # a bias on the head
+    "granite": {"logits_scaling": 4.0},  # logits divided by a scale
+    "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+}
+
+
+def _model(kind: str, **extra: object) -> nn.Module:
+    torch.manual_seed(0)
+    fields = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2)
+    fields.update(intermediate_size=64)
+    fields.update(
+        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
+    fields.update(CASES[kind], **extra)
+    config = transformers.AutoConfig.for_model(kind, **fields)
+    config.use_cache = False
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (3, 20), generator=g)
+    labels = x.clone()
+    labels[0, 5:9] = -100  # prompt tokens the loss skips
+    labels[2, -3:] = -100
+    return x, labels
+
+
+def labels_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The model's own loss: ``model(input_ids=x, labels=labels).loss``."""
+    x, labels = batch
+    return model(input_ids=x, labels=labels).loss
+
+
+def _loss_and_grads(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = labels_loss(model, batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_chunked_head_gives_the_models_own_loss_and_gradients(kind: str) -> None:
+    model = _model(kind)
+    batch = _batch()
+    ref_loss, ref_grads = _loss_and_grads(model, batch)
+    opt = torch.optim.AdamW(model.parameters())
+    apply_levers(model, opt, Plan(blocks={}, levers=["chunked_loss"]))
+    assert chunked_head_of(model) == 8388  # 2**23 // 1000 tokens per chunk
+    install_chunked_head(model, chunk_tokens=7)  # several chunks at this batch, the last one short
+    out = model(input_ids=batch[0], labels=batch[1])
+    assert out.logits is None  # no full logits when the lever computes the loss
+    loss, grads = _loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, ref_loss, **FP32_TOL)
+    assert grads.keys() == ref_grads.keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **FP32_TOL, msg=n)
+    # without labels the model is unchanged: its logits, as before
+    assert model(input_ids=batch[0]).logits.shape == (3, 20, VOCAB)
+    remove_levers(model, opt)
+    assert chunked_head_of(model) is None
+
+
+def test_head_facts_of_each_case() -> None:
+    specs = {kind: find_head(_model(kind)) for kind in ("qwen2", "gemma2", "cohere", "phi", "granite")}
+    assert specs["qwen2"] is not None and specs["qwen2"].head.weight is not None
+    assert specs["gemma2"] is not None and specs["gemma2"].softcap == 2.0
+    assert specs["cohere"] is not None and specs["cohere"].logit_scale == 0.25
+    assert specs["phi"] is not None and specs["phi"].head.bias is not None
+    assert specs["granite"] is not None and specs["granite"].logit_scale == 0.25
+
+
+def test_num_items_in_batch_sums_then_divides_as_hugging_face_does() -> None:
+    model = _model("llama")
+    x, labels = _batch()
+    ref = model(input_ids=x, labels=labels, num_items_in_batch=torch.tensor(17)).loss
+    apply_levers(model, torch.optim.AdamW(model.parameters()), Plan(blocks={}, levers=["chunked_loss"]))
+    got = model(input_ids=x, labels=labels, num_items_in_batch=torch.tensor(17)).loss
+    torch.testing.assert_close(got, ref, **FP32_TOL)
+
+
+def test_unknown_model_types_are_refused_with_the_reason() -> None:
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(
+        "mixtral",
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        intermediate_size=64,
+        vocab_size=VOCAB,
+        num_local_experts=2,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    why = head_refusal(model)
+    assert why is not None and "'mixtral'" in why
+
+
+# --- bytes: the step model's prediction against MemTracker, and memfit.plan -----------------
+
+BIG_VOCAB = 16384
+
+
+def _big(kind: str) -> nn.Module:
+    return _model(kind, vocab_size=BIG_VOCAB)
+
+
+def _big_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randint(0, BIG_VOCAB, (2, 96), generator=g)
+    labels = x.clone()
+    labels[:, :16] = -100
+    return x, labels
+
+
+def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -> int:
+    from memfit.measuring.preserve import create_optimizer_state, preserved
+    from memfit.measuring.tracker import MemoryWatch
+    from memfit.precision import Precision
+    from memfit.step import training_step
+
+    with preserved(model, opt):
+        used = apply_levers(model, opt, plan)
+        create_optimizer_state(model, used)
+        with MemoryWatch(model, used) as watch:
+            training_step(model, batch, labels_loss, used, Precision("fp32"))
+        remove_levers(model, used)
+    return watch.peak_bytes
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "cohere", "llama", "phi"])
+def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
+    import memfit
+    from memfit.measuring.lever_facts import attach_lever_facts
+    from memfit.measuring.preserve import preserved
+    from memfit.measuring.profile import Profiler
+    from memfit.precision import Precision
+    from memfit.stepmodel import simulate
+    from memfit.stepmodel.with_levers import with_levers
+
+    model, batch = _big(kind), _big_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with preserved(model, opt):
+        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
+        profiler.none()
+        blocks = memfit.find_blocks(model)
+        profile = attach_lever_facts(profiler.result(), model, opt, blocks, (batch, labels_loss))
+    assert profile.lever_facts.head is not None and not profile.lever_facts.head.refused
+    plain = _measured(model, batch, opt, Plan(blocks={}))
+    chunked = _measured(model, batch, opt, Plan(blocks={}, levers=["chunked_loss"]))
+    predicted = simulate(with_levers(profile, ["chunked_loss"]), "none").peak_bytes
+    print(
+        f"{kind}: plain {plain:,} B, chunked {chunked:,} B ({chunked / plain:.3f}x), "
+        f"predicted {predicted:,} B"
+    )
+    assert chunked < plain
+    assert abs(predicted - chunked) <= 0.05 * chunked
+
+
+def test_plan_chooses_the_head_lever_only_when_it_is_needed_to_fit() -> None:
+    """A Qwen2-style decoder (tied embeddings) at a 32k vocabulary, labels=: 0.5x the plain peak
+    fits with the head lever alone; a budget the plain step meets uses no lever."""
+    import memfit
+    from memfit.measuring.preserve import preserved
+
+    model = _model("qwen2", vocab_size=32768, hidden_size=64, num_attention_heads=4)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32768, (2, 128), generator=g)
+    batch = (x, x)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with preserved(model, opt):
+        plain = _measured(model, batch, opt, Plan(blocks={}))
+    roomy = memfit.plan(model, batch, labels_loss, int(1.05 * plain), opt, precision="fp32", levers="all")
+    assert "chunked_loss" not in roomy.levers
+    tight = memfit.plan(
+        model, batch, labels_loss, int(0.5 * plain), opt, precision="fp32", levers=["chunked_loss"]
+    )
+    print(
+        f"plain {plain:,} B; 0.5x plan {tight.levers} measured {tight.measured_peak_bytes:,} B, "
+        f"notes {tight.notes}"
+    )
+    assert tight.levers == ["chunked_loss"]
+    assert tight.measured_peak_bytes <= 0.5 * plain
+    assert any("no logits" in n for n in tight.notes)
