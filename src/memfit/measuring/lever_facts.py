@@ -39,6 +39,7 @@ from memfit.levers.optim import lever_optimizer
 from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
+from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
 from memfit.records import HeadCost, HeadFacts, LeverFacts, Profile
 from memfit.stepmodel.with_levers import temp_key
@@ -230,7 +231,10 @@ def _step_shape(
     if "hidden" not in seen:
         return None
     hidden = seen["hidden"]
-    return hidden.shape, hidden.dtype, bool(seen.get("labels"))
+    # memfit's gpt_loss takes the model's own loss once the lever is on
+    # (See Note [the built-in loss outside the forward])
+    own = loss_fn is gpt_loss and hasattr(unwrap(model), "loss_chunk_tokens")
+    return hidden.shape, hidden.dtype, own or bool(seen.get("labels"))
 
 
 def head_cost(spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, chunk: int | None) -> HeadCost:
