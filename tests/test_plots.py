@@ -82,7 +82,8 @@ def test_bench_right_axis_reads_the_ratio_to_the_baseline(close: list[Any]) -> N
 
 
 def test_memory_plot_draws_the_budget_and_keeps_the_legend_off_it(close: list[Any]) -> None:
-    parts = {"params": 5 * _MIB, "grads": 0, "optimizer": 10 * _MIB, "activations": 20 * _MIB, "temporaries": _MIB}
+    parts = {"params": 5 * _MIB, "grads": 0, "optimizer": 10 * _MIB, "activations": 20 * _MIB}
+    parts["temporaries"] = _MIB
     bars = {"baseline": parts, "memfit": {**parts, "activations": 5 * _MIB}}
     fig = memory_figure(bars, budget_bytes=25 * _MIB)
     close.append(fig)
