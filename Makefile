@@ -12,7 +12,8 @@ EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
 EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_loss_head_hf.py tests/integrations/test_vision.py tests/integrations/test_zoo.py \
 	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py \
 	tests/integrations/test_readme_extras.py tests/integrations/test_hf_compile.py \
-	tests/integrations/test_plan_room_hf.py tests/integrations/test_hf_cache_flags.py
+	tests/integrations/test_plan_room_hf.py tests/integrations/test_hf_cache_flags.py \
+	tests/integrations/test_docs_shell_extras.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 

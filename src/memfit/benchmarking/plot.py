@@ -3,7 +3,10 @@
 The Pareto front is drawn as a line through its points, the budget as a vertical line, and
 the recommended strategy (the fastest measured one within the budget) is ringed. The x axis
 spans the measured points only: a budget far beyond them is marked at the edge with an
-arrow instead of stretching the axis until the points crowd together.
+arrow instead of stretching the axis until the points crowd together. The y axis is always
+logarithmic, so equal time ratios are equal distances whatever the points (an emulated
+precision 10x slower does not squash the rest), and the right-hand axis reads the ratio to
+the baseline (``fp32/none``). The legend sits under the axes, where it covers no point.
 Labels are placed greedily: each tries offsets around its point, nearest first, and takes
 the first whose box overlaps no label, point or axes edge already there (a thin leader
 line joins a label moved far from its point). Trade-off: greedy placement is simple and
@@ -99,12 +102,54 @@ def _place_labels(
         placed.append(best[1].get_window_extent(renderer))
 
 
-def _minor_label(value: float, _: Any) -> str:
-    """Label minor log ticks at 2x and 5x a power of ten only, in plain numbers."""
-    if value <= 0:
-        return ""
-    mantissa = round(value / 10 ** math.floor(math.log10(value)))
-    return f"{value:g}" if mantissa in (2, 5) else ""
+def _log_ticks(lo: float, hi: float) -> list[float]:
+    """Round values between ``lo`` and ``hi`` for a log axis: the sparsest of the 1, 1-2-5 and
+    1-1.5-2-3-5-7 sequences that gives at least four ticks; a range narrower than that gets
+    evenly spaced round values (on so short a log axis they are nearly evenly spaced too)."""
+    from matplotlib.ticker import MaxNLocator
+
+    for mantissas in ((1.0,), (1.0, 2.0, 5.0), (1.0, 1.5, 2.0, 3.0, 5.0, 7.0)):
+        ticks = [
+            m * 10.0**e
+            for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+            for m in mantissas
+            if lo <= m * 10.0**e <= hi
+        ]
+        if len(ticks) >= 4:
+            return ticks
+    return [float(v) for v in MaxNLocator(nbins=6).tick_values(lo, hi) if lo <= v <= hi]
+
+
+def _plain(value: float, _: Any = None) -> str:
+    return f"{float(f'{value:.3g}'):g}"
+
+
+def _baseline(points: Sequence[BenchPoint]) -> BenchPoint | None:
+    """The point the time ratios are relative to: the one named as every point's baseline."""
+    names = {p.baseline for p in points if p.baseline} or {"fp32/none"}
+    return next((p for p in points if p.strategy in names and p.step_seconds > 0), None)
+
+
+def _time_axis(ax: Any, ys: list[float], points: Sequence[BenchPoint]) -> None:
+    """A log y axis over ``ys`` (ms) with round ticks, and the ratio to the baseline on the right."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    lo, hi = min(ys) / 1.3, max(ys) * 1.3
+    ax.set_yscale("log")
+    ax.set_ylim(lo, hi)
+    ax.set_ylabel("step time, median (ms, log scale)")
+    ax.yaxis.set_major_locator(FixedLocator(_log_ticks(lo, hi)))
+    ax.yaxis.set_major_formatter(FuncFormatter(_plain))
+    ax.yaxis.set_minor_locator(NullLocator())
+    base = _baseline(points)
+    if base is None:
+        return
+    ref = base.step_seconds * 1e3
+    right = ax.secondary_yaxis("right", functions=(lambda v: v / ref, lambda r: r * ref))
+    right.set_ylabel(f"step time relative to {base.strategy}")
+    right.yaxis.set_major_locator(FixedLocator(_log_ticks(lo / ref, hi / ref)))
+    right.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{_plain(v)}x"))
+    right.yaxis.set_minor_locator(NullLocator())
 
 
 def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, title: str = "") -> Any:
@@ -114,7 +159,7 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
         points: what :func:`memfit.bench` returned (failed points are left out).
         budget_bytes: drawn as a dashed vertical line when given (an arrow at the edge when
             it is far from the measured points); the strategy it recommends is ringed.
-        title: appended to the plot's title (e.g. the device).
+        title: the device, appended to the plot's title ("... on cpu (AMD EPYC (2 cores))").
 
     Returns:
         The figure; the caller closes it (``matplotlib.pyplot.close(fig)``).
@@ -123,7 +168,7 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.transforms import Bbox
 
     ok = [p for p in points if p.ok]
     fig, ax = plt.subplots(figsize=(10, 6.5), dpi=110)
@@ -161,7 +206,7 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
         )
     ax.set_xlabel("peak memory per training step (MiB)")
     ax.set_ylabel("step time, median (ms)")
-    ax.set_title("memfit bench: memory against step time" + (f" ({title})" if title else ""))
+    ax.set_title("memfit bench: peak memory against step time" + (f" on {title}" if title else ""))
     ax.grid(True, alpha=0.3)
     if xs:
         # the axis spans the measured points; the budget only joins it when it is near.
@@ -170,21 +215,18 @@ def bench_figure(points: Sequence[BenchPoint], budget_bytes: int | None = None, 
         left, right = lo_x - pad_x, hi_x + pad_x
         if budget_bytes is not None and left - pad_x <= budget_bytes / _MIB <= right + pad_x:
             left, right = min(left, budget_bytes / _MIB - pad_x), max(right, budget_bytes / _MIB + pad_x)
-        pad_y = (max(ys) - min(ys)) * 0.18 or max(max(ys) * 0.1, 1e-3)
         ax.set_xlim(left, right)
-        if min(ys) > 0 and max(ys) / min(ys) > 8:
-            # emulated precisions can be 20x slower; a log axis keeps the rest apart.
-            ax.set_yscale("log")
-            ax.set_ylim(min(ys) / 1.25, max(ys) * 1.25)
-            ax.set_ylabel("step time, median (ms, log scale)")
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(FuncFormatter(_minor_label))
-        else:
-            ax.set_ylim(max(0.0, min(ys) - pad_y), max(ys) + pad_y)
+        _time_axis(ax, [max(y, 1e-6) for y in ys], ok)
     edge = _draw_budget(ax, budget_bytes) if budget_bytes is not None else None
-    legend = ax.legend(loc="best", fontsize=8, framealpha=0.85)
+    entries = len(ax.get_legend_handles_labels()[1])
+    legend = ax.legend(
+        loc="upper center", bbox_to_anchor=(0.5, -0.11), ncol=min(entries, 6) or 1, fontsize=8, frameon=False
+    )
     fig.tight_layout()
     obstacles = [legend.get_window_extent()] + ([edge.get_window_extent()] if edge is not None else [])
+    if best is not None:
+        at = ax.transData.transform((best.peak_bytes / _MIB, best.step_seconds * 1e3))
+        obstacles.append(Bbox.from_extents(*(at - 9), *(at + 9)))  # the ring around the recommendation
     _place_labels(fig, ax, xs, ys, [p.strategy for p in ok], obstacles)
     return fig
 

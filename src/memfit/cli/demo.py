@@ -185,6 +185,7 @@ def _finish(
         out / "memory.png",
         {name: r.breakdown for name, r in mem.items()},
         title="peak memory of one training step (MemTracker)" if main.device.type == "cpu" else "peak memory",
+        budget_bytes=plan.budget_bytes,
     )
     report = [
         "# memfit demo",
