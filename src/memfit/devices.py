@@ -100,17 +100,19 @@ def _cpu_model() -> str:
 def _cpu_facts() -> DeviceFacts:
     flags = _cpu_flags()
     # Note [native low precision on a CPU]
-    # Only AMX tiles make PyTorch's bf16 (or fp16) steps on a CPU faster than fp32. AVX512-BF16
-    # has dot-product instructions but no tile unit: on a 2-core AMD EPYC with it, memfit bench
-    # measured bf16 steps at several times fp32's (issue 28: bf16/full at 9.19x). So a CPU's
-    # low precision counts as native (recommended for speed) only with AMX; without it, it
-    # still runs (it saves memory) and is said to be slow.
+    # Only AMX tiles make PyTorch's bf16 (or fp16) steps on a CPU reliably faster than fp32.
+    # AVX512-BF16 has dot products but no tile unit: on a 2-core AMD EPYC with it, memfit bench
+    # measured bf16 steps from 0.8x to 9.2x of fp32's (issue 28: bf16/full at 9.19x) and fp16 at
+    # 10-16x. So a CPU's low precision counts as native (recommended for speed) only with AMX;
+    # without it, it still runs (it saves memory) and is not recommended for speed.
     bf16_native = "amx_bf16" in flags
     fp16_native = "amx_fp16" in flags
     notes = []
     if not bf16_native:
-        has = " (it has AVX512-BF16 dot products, but no AMX)" if "avx512_bf16" in flags else " (no AMX)"
-        notes.append(f"bf16 works on this CPU but is emulated{has} and slow")
+        if "avx512_bf16" in flags:
+            notes.append("bf16 works on this CPU with AVX512-BF16 but no AMX: not reliably faster than fp32")
+        else:
+            notes.append("bf16 works on this CPU but is emulated (no AVX512-BF16 or AMX) and slow")
     if not fp16_native:
         has = " (it has AVX512-FP16, but no AMX-FP16)" if "avx512_fp16" in flags else " (no AMX-FP16)"
         notes.append(f"fp16 works on this CPU but is emulated{has} and slow")

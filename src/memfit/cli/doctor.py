@@ -64,7 +64,11 @@ def run(args: argparse.Namespace) -> int:
             ("bf16", d.bf16_runs, d.bf16_native),
             ("fp16", d.fp16_runs, d.fp16_native),
         ):
-            state = "native, fast" if native else ("works, emulated and slow" if runs else "not supported")
+            state = (
+                "native, fast"
+                if native
+                else ("works, not fast here (see the notes)" if runs else "not supported")
+            )
             print(f"  {label}: {state}")
         print(f"  autocast dtypes: {', '.join(d.autocast_dtypes) or 'none'}")
         for note in d.notes:
