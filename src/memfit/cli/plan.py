@@ -14,8 +14,8 @@ import argparse
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
-from memfit.errors import ConfigError, InfeasibleBudget
-from memfit.levers.spec import missing_torchao_hint, normalize_levers
+from memfit.errors import ConfigError
+from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.planning.choose import candidate_precisions
 from memfit.planning.largest_batch import resize_batch
@@ -61,14 +61,6 @@ def _budget_text(args: argparse.Namespace, configured: str) -> str:
     return args.budget if args.budget is not None else (configured or "device")
 
 
-def _with_missing_levers(exc: InfeasibleBudget, levers: str | None) -> InfeasibleBudget:
-    """``exc``, saying which levers torchao's absence left out and the command that adds it."""
-    hint = missing_torchao_hint(levers)
-    if hint is None or hint in str(exc):  # memfit.plan says it where the levers were planned
-        return exc
-    return InfeasibleBudget(f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes)
-
-
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it under the budget, print the plan and write plan.json."""
     cfg = config_from_args(args)
@@ -80,13 +72,10 @@ def run(args: argparse.Namespace) -> int:
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
-    try:
-        result = plan(
-            model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
-            levers=args.levers, verify=args.verify,
-        )  # fmt: skip
-    except InfeasibleBudget as exc:
-        raise _with_missing_levers(exc, args.levers) from None
+    result = plan(
+        model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
+        levers=args.levers, verify=args.verify,
+    )  # fmt: skip
     try:
         write_text(args.out, marked_json("plan", result.to_dict()), "the plan")
     except ConfigError as exc:

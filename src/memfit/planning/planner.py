@@ -276,8 +276,6 @@ class _Request:
     budget: Budget
     room: Room | None
     held: int
-    asked: str | Sequence[LeverName] | None = None
-    """The levers as the caller named them (``"all"``: those this machine can run)."""
 
 
 def _request(
@@ -292,7 +290,7 @@ def _request(
     allowed, refused = resolve_levers(levers, device, optimizer, precision, model)
     spec = Budget.parse(budget)  # a bad budget is refused before anything runs
     # See Note [room before the snapshot]
-    return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer), levers)
+    return _Request(wanted, allowed, refused, spec, room(device), held_bytes(model, optimizer))
 
 
 def _shown(budget: int | str | Budget) -> str:
@@ -336,15 +334,7 @@ def _chosen(
         attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model), step)
     allowed, unusable = usable_levers(profs, allowed)
     request.refused.update(unusable)
-    try:
-        result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
-    except InfeasibleBudget as exc:
-        hint = missing_torchao_hint(request.asked)
-        if hint is None:
-            raise
-        raise InfeasibleBudget(
-            f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes
-        ) from None
+    result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
     if verify and result.levers:
         failed = failing_levers(
             planner.model, planner.batch, planner.loss_fn, planner.optimizer, result, planner.measured
@@ -403,6 +393,14 @@ def _plan_batch(
             set_block_modes(model, before)
 
 
+def _with_missing_levers(exc: InfeasibleBudget, levers: str | Sequence[str] | None) -> InfeasibleBudget:
+    """``exc``, saying which levers torchao's absence left out and the command that adds it."""
+    hint = missing_torchao_hint(levers)
+    if hint is None:
+        return exc
+    return InfeasibleBudget(f"{str(exc).rstrip('.')}; {hint}.", exc.minimum_bytes, exc.budget_bytes)
+
+
 def plan(
     model: nn.Module,
     batch: Batch,
@@ -459,10 +457,13 @@ def plan(
     """
     check_plan_inputs(model, batch, optimizer)
     if maximize is None:
-        return _plan_batch(
-            model, batch, loss_fn, budget, optimizer, precision,
-            check=check, profiles=profiles, levers=levers, verify=verify,
-        )  # fmt: skip
+        try:
+            return _plan_batch(
+                model, batch, loss_fn, budget, optimizer, precision,
+                check=check, profiles=profiles, levers=levers, verify=verify,
+            )  # fmt: skip
+        except InfeasibleBudget as exc:
+            raise _with_missing_levers(exc, levers) from None
     if maximize not in MAXIMIZE:
         raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
     if profiles is not None:
