@@ -147,3 +147,19 @@ def test_decoder_cache_is_off_while_training_checkpointed(
     assert len(lines) <= 1 and model.config.use_cache is True
     with torch.no_grad():  # generation still gets its cache
         assert model(input_ids=x).past_key_values.get_seq_length() == x.shape[1]
+
+
+ESTIMATED = [p for p, e in zip(ENTRIES, ZOO, strict=True) if e.estimate]
+
+
+@pytest.mark.parametrize("entry", ESTIMATED)
+def test_estimate_is_within_5_percent_of_the_measured_plain_peak(entry: Entry) -> None:
+    """``memfit.estimate`` (fake tensors, nothing allocated) against ``memfit.measure`` (real)."""
+    batch = entry.batch(entry.large)
+    est = memfit.estimate(entry.build, batch, entry.loss, lambda p: torch.optim.SGD(p, lr=0.01),
+                          precisions=["fp32"], modes=["none"])  # fmt: skip
+    model = entry.build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    measured = memfit.measure(model, batch, entry.loss, opt, "fp32", steps=2).peak_bytes
+    predicted = est.peak_bytes("fp32", "none")
+    assert abs(predicted - measured) <= PREDICTION * measured, (predicted, measured)

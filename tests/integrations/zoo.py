@@ -1,6 +1,9 @@
 """The third-party zoo: models from transformers, torchvision and timm, small, with their defaults.
 
-The entries live in :mod:`zoo_hf` and :mod:`zoo_vision`; :data:`ZOO` lists them all.
+The entries live in :mod:`zoo_hf` and :mod:`zoo_vision`, and the third round's in
+:mod:`zoo_blocks3` (blocks a person would pick), :mod:`zoo_estimate3` (estimates that need
+real values) and :mod:`zoo_order3` (blocks not run in module order, random depth);
+:func:`all_entries` lists them all.
 
 Each :class:`Entry` builds one architecture from its library (random weights, no download)
 with a small configuration and every other setting at its default (Hugging Face decoders
@@ -37,6 +40,8 @@ class Entry:
     """Batch size for the plan check (activations dominate the step)."""
     covers: str = ""
     """What the model adds to the zoo (decoder with cache, encoder-decoder, ...)."""
+    estimate: bool = False
+    """Also check ``memfit.estimate`` against the measured plain peak (within 5%)."""
 
 
 def generator(seed: int = 0) -> torch.Generator:
@@ -49,7 +54,10 @@ def layers(prefix: str, n: int = 2) -> list[str]:
 
 
 def all_entries() -> list[Entry]:
+    from zoo_blocks3 import BLOCKS3
+    from zoo_estimate3 import ESTIMATE3
     from zoo_hf import HF
+    from zoo_order3 import ORDER3
     from zoo_vision import VISION
 
-    return HF + VISION
+    return HF + VISION + BLOCKS3 + ESTIMATE3 + ORDER3
