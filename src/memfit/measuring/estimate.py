@@ -31,12 +31,11 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map_only
 
 from memfit import progress
 from memfit.budget import parse_bytes
@@ -44,6 +43,7 @@ from memfit.checkpointing import find_blocks, set_block_modes
 from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
+from memfit.measuring.fakebuild import FakeFallbacks, build_fake, fake_batch, model_limits
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
@@ -100,6 +100,10 @@ class _Fake:
     """The real batch copied to fake tensors."""
     blocks: list[str]
     device: torch.device
+    fallbacks: FakeFallbacks
+    """What the fake kernels refused and a real step runs, answered (and counted)."""
+    built: str | None = None
+    """None when ``model_fn`` ran under fake tensors; else the line saying how it was built."""
     fast: bool = False
     """The blocks are identical and residual: two ran, the rest passed their input through."""
 
@@ -123,18 +127,22 @@ def _build(
     batch: Batch,
 ) -> _Fake:
     fake = FakeTensorMode(allow_non_fake_inputs=False)
+    built = build_fake(fake, model_fn)
+    if built.how is not None:
+        progress.note(built.how)
+    model = built.model
     with fake:
-        model = model_fn()
-        if not isinstance(model, nn.Module):
-            raise ConfigError(f"model_fn returned {type(model).__name__}; it must return an nn.Module.")
         optimizer = optimizer_fn(model.parameters()) if optimizer_fn is not None else None
-    fake_batch = tree_map_only(torch.Tensor, fake.from_tensor, batch)
-    return _Fake(fake, model, optimizer, fake_batch, find_blocks(model), model_device(model))
+    fake_inputs = fake_batch(fake, batch)
+    fallbacks = FakeFallbacks(fake, fake_inputs)
+    return _Fake(
+        fake, model, optimizer, fake_inputs, find_blocks(model), model_device(model), fallbacks, built.how
+    )
 
 
 def _fast(f: _Fake, batch: Batch, loss_fn: LossFn) -> bool:
     """Whether the blocks are identical and keep their input's shape (checked on ``batch``)."""
-    with batch_errors(f.model, batch):
+    with batch_errors(f.model, batch), model_limits(f.model):
         return (
             len(f.blocks) > 2
             and identical(f.model, f.blocks)
@@ -146,16 +154,11 @@ def _fast_estimate(
     f: _Fake, loss_fn: LossFn, precisions: list[PrecisionName], modes: list[CheckpointMode]
 ) -> tuple[dict[str, Profile], list[EstimateEntry]]:
     """Profiles from steps that run two of the identical blocks; entries from the step model."""
-    profiles = fast_profiles(
-        f.model,
-        f.batch,
-        loss_fn,
-        f.optimizer,
-        f.blocks,
-        precisions,
-        modes,
-        lambda p: _fake_precision(p, f.device),
-    )
+    with model_limits(f.model):
+        profiles = fast_profiles(
+            f.model, f.batch, loss_fn, f.optimizer, f.blocks, precisions, modes,
+            lambda p: _fake_precision(p, f.device),
+        )  # fmt: skip
     entries = []
     for precision in precisions:
         prof = profiles[precision]
@@ -180,7 +183,7 @@ def _profiles_and_entries(
     derived = "fp16" in precisions and "bf16" in precisions
     run_precisions = [p for p in precisions if not (derived and p == "fp16")]
     entries: list[EstimateEntry] = []
-    with f.mode:
+    with f.mode, f.fallbacks:
         f.model.train()
         create_optimizer_state(f.model, f.optimizer)
         f.fast = _fast(f, batch, loss_fn)
@@ -250,6 +253,8 @@ def estimate(
         f, batch, loss_fn, checked, checked_modes if f.blocks else ["none"]
     )
     _finish_profiles(f, profiles, levers)
+    for line in f.fallbacks.lines():
+        progress.note(line)
     derived = "fp16" in checked and "bf16" in checked
     return Estimate(
         model=type(f.model).__name__,
@@ -259,7 +264,7 @@ def estimate(
         optimizer=type(f.optimizer).__name__ if f.optimizer is not None else "none",
         entries=entries,
         device_memory=memory,
-        assumptions=_assumptions(f.device, f.optimizer, f.blocks, f.fast, derived),
+        assumptions=_assumptions(f, derived),
         profiles=profiles,
         seconds=time.perf_counter() - started,
     )
@@ -287,7 +292,7 @@ def _direct(
                 if blocks:
                     set_block_modes(model, {b: mode for b in blocks})
                 first = opt_phase is None
-                with batch_errors(model, batch):
+                with batch_errors(model, batch), model_limits(model):
                     mem = phased_step(model, batch, loss_fn, optimizer, prec, blocks, step_optimizer=first)
                 opt_phase = mem if first else opt_phase
                 per_mode[mode] = mem
@@ -302,9 +307,8 @@ def _direct(
     return profiles
 
 
-def _assumptions(
-    device: torch.device, optimizer: Any, blocks: list[str], fast: bool, derived: bool
-) -> list[str]:
+def _assumptions(f: _Fake, derived: bool) -> list[str]:
+    device, optimizer, blocks = f.device, f.optimizer, f.blocks
     out = [
         f"Counts are PyTorch's MemTracker bytes for the {device.type.upper()} kernels of this "
         "machine (e.g. its attention kernel); a GPU adds allocator rounding, cuBLAS/cuDNN "
@@ -325,7 +329,8 @@ def _assumptions(
             "fp16 has bf16's element size and autocast op lists, so its numbers are bf16's "
             "(fp16 was not run separately)."
         )
-    if fast:
+    out += ([f.built] if f.built is not None else []) + f.fallbacks.lines()
+    if f.fast:
         out.append(
             f"The {len(blocks)} blocks are identical: two ran, the rest passed their input "
             "through, and the peak adds up the per-block numbers (Profile's formula)."
