@@ -64,7 +64,9 @@ def _ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Ten
     return nn.functional.cross_entropy(model(x), y)
 
 
-_SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+_SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
+)
 _IDS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0, max_position_embeddings=128)
 _MOE = dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
 
@@ -84,8 +86,8 @@ ESTIMATE3: list[Entry] = [
           _image_loss_hf, _images(32), layers("dinov2.encoder.layer"),
           covers="DINOv2: trunc_normal_ init, layer scale", estimate=True),
     Entry("transformers/swin",
-          _hf("swin", "AutoModelForImageClassification", image_size=32, patch_size=2, embed_dim=16, depths=[2, 2],
-              num_heads=[2, 4], window_size=4, num_labels=CLASSES),
+          _hf("swin", "AutoModelForImageClassification", image_size=32, patch_size=2, embed_dim=16,
+              depths=[2, 2], num_heads=[2, 4], window_size=4, num_labels=CLASSES),
           _image_loss_hf, _images(32), layers("swin.encoder.layers"),
           covers="Swin: shifted windows, relative-position index buffers", estimate=True),
     Entry("transformers/qwen3_moe", _hf("qwen3_moe", "AutoModelForCausalLM", **_SMALL, **_IDS, **_MOE,
@@ -93,10 +95,11 @@ ESTIMATE3: list[Entry] = [
           _lm_loss, _tokens(32), layers("model.layers"),
           covers="mixture of experts through grouped_mm (fp32 on the CPU; its fake kernel takes bf16 only)",
           estimate=True),
-    Entry("transformers/jamba", _hf("jamba", "AutoModelForCausalLM", **{**_SMALL, "num_hidden_layers": 4}, **_IDS,
-                                    **_MOE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                                    expert_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
-                                    mamba_dt_rank=4),
+    Entry("transformers/jamba", _hf("jamba", "AutoModelForCausalLM", **{**_SMALL, "num_hidden_layers": 4},
+                                    **_IDS, **_MOE, attn_layer_period=2, attn_layer_offset=1,
+                                    expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                                    mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=4),
           _lm_loss, _tokens(32), layers("model.layers", 4),
-          covers="Jamba (four layers: with two, full checkpointing saves nothing): Mamba and attention layers, experts through grouped_mm", estimate=True),
+          covers="Jamba: Mamba and attention layers, experts through grouped_mm (four layers: with two, "
+                 "full checkpointing saves nothing)", estimate=True),
 ]  # fmt: skip
