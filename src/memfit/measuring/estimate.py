@@ -8,10 +8,15 @@ per precision and mode, so the estimate is what ``measure`` would report on this
 type, activations included (HF's ``accelerate estimate-memory`` and DeepSpeed's estimators
 count parameters, gradients and optimizer state only).
 
-Trade-off: nothing is computed, so nothing data-dependent is either: fp16's dynamic loss
-scaling (which reads the gradients) is left out of the fake step; it holds only a few
-scalars. The optimizer step is the same for every strategy (parameters, gradients and
-state stay fp32), so it runs once and its phase is reused: exact, and half the time.
+Where fake tensors alone fail but real training works (a constructor that reads the values
+it draws, a fake kernel narrower than the real one, a forward that reads the batch's values),
+:mod:`memfit.measuring.fakebuild` falls back and the estimate says which in one line.
+
+Trade-off: nothing is computed on parameters or activations, so nothing that depends on
+their values is either: fp16's dynamic loss scaling (which reads the gradients) is left out
+of the fake step; it holds only a few scalars. The optimizer step is the same for every
+strategy (parameters, gradients and state stay fp32), so it runs once and its phase is
+reused: exact, and half the time.
 
 Example:
     >>> import torch
@@ -225,7 +230,8 @@ def estimate(
 
     Args:
         model_fn: builds a fresh model; it is called under ``FakeTensorMode`` (build on
-            the CPU, as for a real run; do not load weights).
+            the CPU, as for a real run; do not load weights), or on the meta device where
+            its constructor needs real values (the assumptions say so).
         batch: a small real batch of the right shape (tensor or tuple of tensors); it is
             copied to fake tensors.
         loss_fn: ``loss_fn(model, batch) -> scalar tensor``.
@@ -242,7 +248,9 @@ def estimate(
 
     Raises:
         ConfigError: bad ``device_memory``, an unknown precision or mode, a model_fn that
-            does not return a module, or a batch that does not fit the model.
+            does not return a module or cannot be built without allocating it, a batch that
+            does not fit the model, or a step that needs an activation's value (the model's
+            limit under fake tensors; the message says so and points to ``memfit.profile``).
     """
     started = time.perf_counter()
     memory = None if device_memory is None else parse_bytes(device_memory, what="device memory")

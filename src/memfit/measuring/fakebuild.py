@@ -156,20 +156,29 @@ def build_fake(mode: FakeTensorMode, model_fn: Callable[[], nn.Module]) -> FakeM
 
 
 # Note [values from the batch]
-# The batch is real: the user passed it. Its fake copies keep their values as fake-tensor
-# constants, so an op whose inputs are all constants runs for real on them (PyTorch's
-# constant propagation keeps a result of at most one element as a constant): a check such
-# as `if labels.max() >= vocab_size` is answered, and an op whose output shape depends on
-# values (CTC's `labels.masked_select(labels >= 0)`) is run for real by FakeFallbacks to
-# learn its shape. Memory is still counted on the fake tensors; the real work is on the
-# batch's few values only, never on parameters or activations.
+# The batch is real: the user passed it. Its fake copies keep a copy of its values as
+# fake-tensor constants, so an op whose inputs are all constants runs for real on them
+# (FakeFallbacks keeps results up to a few times the batch's bytes as constants too): a check
+# such as `if labels.max() >= vocab_size` is answered. An op whose output shape depends on
+# values (CTC's `labels.masked_select(labels >= 0)`, `_ctc_loss`'s target lengths) runs for
+# real once, on the constants' values and, for floating inputs without values (activations),
+# on zeros expanded from one element, to learn its output's shape; that output is then made
+# a fake tensor and the real one freed. Memory is still counted on the fake tensors only.
 
 
 def fake_batch(mode: FakeTensorMode, batch: Batch) -> Batch:
-    """The batch as fake tensors of ``mode`` that keep their real values (fake-tensor
-    constants): an op on the batch alone that yields a scalar is answered from them."""
-    convert = mode.fake_tensor_converter
-    return tree_map_only(torch.Tensor, lambda t: convert.from_real_tensor(mode, t, make_constant=True), batch)
+    """The batch as fake tensors of ``mode`` (views stay views) that keep a copy of their real
+    values (fake-tensor constants): an op on the batch alone that yields a scalar is answered
+    from them, and the user's tensors are never written."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        fake = mode.from_tensor(t)
+        if fake.constant is None:
+            fake.constant = t.detach().clone()
+            mode.fake_tensor_converter.add_constant_storage_mapping(fake)
+        return fake
+
+    return tree_map_only(torch.Tensor, convert, batch)
 
 
 def _grouped_mm_refused(args: tuple[Any, ...]) -> bool:
@@ -204,7 +213,7 @@ def _shape_decidable(fakes: list[FakeTensor]) -> bool:
     constant and every integer or boolean input (indices, lengths, masks) is one; floating
     inputs without values carry data, not shapes (CTC's log-probabilities)."""
     return any(t.constant is not None for t in fakes) and all(
-        t.constant is not None or t.is_floating_point() for t in fakes
+        t.device.type == "cpu" and (t.constant is not None or t.is_floating_point()) for t in fakes
     )
 
 
