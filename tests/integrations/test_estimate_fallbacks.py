@@ -10,6 +10,7 @@ sentences of the errors.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 import memfit
+from memfit import progress
 from memfit.errors import ConfigError
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -94,11 +96,14 @@ def _googlenet_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
 def test_googlenet_with_aux_heads_is_built_on_the_meta_device_and_lands_on_the_measured_peak() -> None:
     g = torch.Generator().manual_seed(0)
     batch = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 10, (4,), generator=g)
-    est, measured = _estimate_and_measure(_googlenet, batch, _googlenet_loss)
+    log = io.StringIO()
+    with progress.configured(quiet=False, stream=log):
+        est, measured = _estimate_and_measure(_googlenet, batch, _googlenet_loss)
     predicted = est.peak_bytes("fp32", "none")
     assert abs(predicted - measured) <= PREDICTION * measured, (predicted, measured)
     assert est.param_count == sum(p.numel() for p in _googlenet().parameters())
-    assert any("built on the meta device" in line for line in est.assumptions)
+    said = [line for line in est.assumptions if "built on the meta device" in line]
+    assert len(said) == 1 and f"memfit: {said[0]}" in log.getvalue().splitlines()  # one line, in both
 
 
 class _Experts(nn.Module):
