@@ -331,7 +331,7 @@ class FakeFallbacks(TorchDispatchMode):
         if func in _LIFTS and type(args[0]) is torch.Tensor and args[0].nbytes <= self._limit:
             # torch.tensor(data): real values the model made (SpecAugment's mask from numpy)
             convert = self.mode.fake_tensor_converter
-            return self._mark(convert.from_real_tensor(self.mode, args[0], make_constant=True), "batch")
+            return convert.from_real_tensor(self.mode, args[0], make_constant=True)
         leaves = tree_leaves((args, kwargs))
         origins = {self._origin_of(a) for a in leaves} - {None}
         if torch.Tag.dynamic_output_shape in func.tags:
@@ -360,14 +360,13 @@ class FakeFallbacks(TorchDispatchMode):
             )
         if self.counts["batch"]:
             out.append(
-                f"The step read {self.counts['batch']} values computed from the batch (or from data "
-                "the model made with torch.tensor) alone, e.g. a check of the labels' range; their "
-                "real values answered them."
+                f"The step read values computed from the batch alone {self.counts['batch']} times "
+                "(e.g. a check of the labels' range); the batch's real values answered them."
             )
         if self.counts["shape"]:
             out.append(
-                f"{self.counts['shape']} ops whose output shape depends on values (e.g. masked_select on "
-                "the labels) ran for real on the batch's values, which gave their shapes."
+                f"Ops whose output shape depends on values (e.g. masked_select on the labels) ran "
+                f"{self.counts['shape']} times for real on the values they had, which gave their shapes."
             )
         if self.counts["random"]:
             out.append(
