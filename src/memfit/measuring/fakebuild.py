@@ -217,6 +217,11 @@ def _shape_decidable(fakes: list[FakeTensor]) -> bool:
     )
 
 
+def _first_origin(origins: set[str | None]) -> str:
+    """Where values come from: a random draw, the batch, or data the model made (torch.tensor)."""
+    return next(o for o in ("random", "batch", "data") if o in origins)
+
+
 def _scalar_draw(out: torch.Tensor) -> bool:
     return out.numel() <= 1 and out.is_floating_point() and out.device.type == "cpu"
 
@@ -238,7 +243,7 @@ class FakeFallbacks(TorchDispatchMode):
     def __init__(self, mode: FakeTensorMode, batch: Batch = ()) -> None:
         super().__init__()
         self.mode = mode
-        self.counts: dict[str, int] = {"grouped_mm": 0, "random": 0, "batch": 0, "shape": 0}
+        self.counts: dict[str, int] = {"grouped_mm": 0, "random": 0, "batch": 0, "data": 0, "shape": 0}
         self._origin: dict[int, tuple[str, weakref.ref[torch.Tensor], torch.Tensor]] = {}
         """Constants from the batch or from random draws, and the constants computed from them."""
         self._limit = 8 * sum(t.nbytes for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
@@ -331,15 +336,15 @@ class FakeFallbacks(TorchDispatchMode):
         if func in _LIFTS and type(args[0]) is torch.Tensor and args[0].nbytes <= self._limit:
             # torch.tensor(data): real values the model made (SpecAugment's mask from numpy)
             convert = self.mode.fake_tensor_converter
-            return convert.from_real_tensor(self.mode, args[0], make_constant=True)
+            return self._mark(convert.from_real_tensor(self.mode, args[0], make_constant=True), "data")
         leaves = tree_leaves((args, kwargs))
         origins = {self._origin_of(a) for a in leaves} - {None}
         if torch.Tag.dynamic_output_shape in func.tags:
             fakes = [t for t in leaves if isinstance(t, FakeTensor)]
             if _shape_decidable(fakes):  # a constant's values give the shape, whoever made it
-                return self._shaped(func, args, kwargs, "random" if "random" in origins else "batch")
+                return self._shaped(func, args, kwargs, _first_origin(origins))
         if origins:
-            return self._on_values(func, args, kwargs, "random" if "random" in origins else "batch")
+            return self._on_values(func, args, kwargs, _first_origin(origins))
         out = func(*args, **kwargs)
         if func in _RANDOM_SCALARS and _scalar_draw(out):
             with unset_fake_temporarily():  # See Note [random scalars read as just under one]
