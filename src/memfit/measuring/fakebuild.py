@@ -219,7 +219,7 @@ def _shape_decidable(fakes: list[FakeTensor]) -> bool:
 
 def _first_origin(origins: set[str | None]) -> str:
     """Where values come from: a random draw, the batch, or data the model made (torch.tensor)."""
-    return next(o for o in ("random", "batch", "data") if o in origins)
+    return next((o for o in ("random", "batch") if o in origins), "data")
 
 
 def _scalar_draw(out: torch.Tensor) -> bool:
@@ -245,7 +245,8 @@ class FakeFallbacks(TorchDispatchMode):
         self.mode = mode
         self.counts: dict[str, int] = {"grouped_mm": 0, "random": 0, "batch": 0, "data": 0, "shape": 0}
         self._origin: dict[int, tuple[str, weakref.ref[torch.Tensor], torch.Tensor]] = {}
-        """Constants from the batch or from random draws, and the constants computed from them."""
+        """Constants from the batch, from random draws or made by the model with torch.tensor,
+        and the constants computed from them: origin, the tensor, its value."""
         self._limit = 8 * sum(t.nbytes for t in tree_leaves(batch) if isinstance(t, torch.Tensor))
         """The most bytes one op on the batch's values alone may compute for real (a few copies
         of the batch, e.g. an int64 mask of fp32 audio)."""
