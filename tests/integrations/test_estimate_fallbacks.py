@@ -195,3 +195,50 @@ def test_a_constructor_that_fails_both_ways_is_said_in_one_sentence() -> None:
     assert "under fake tensors" in str(err.value) and "on the meta device" in str(err.value)
     with pytest.raises(TypeError, match="this model needs a config"):  # the user's own error, as raised
         memfit.estimate(_Broken, x, loss, precisions=["fp32"], modes=["none"])
+
+
+class _LayerDrop(nn.Module):
+    """Two layers, each skipped with probability ``p`` as Hugging Face's LayerDrop does (two: the
+    estimate then runs every block rather than two of many identical ones)."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if torch.rand([]) < self.p:
+                continue
+            x = layer(x).relu()
+        return self.head(x)
+
+
+def test_layerdrop_is_estimated_as_the_step_that_drops_nothing_and_p_1_drops_everything() -> None:
+    x = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    loss = lambda model, b: model(b).sum()  # noqa: E731
+    nothing = memfit.estimate(lambda: _LayerDrop(0.0), x, loss, _sgd, precisions=["fp32"], modes=["none"])
+    kept = nothing.peak_bytes("fp32", "none")
+    for p in (0.1, 0.9):
+        est = memfit.estimate(lambda p=p: _LayerDrop(p), x, loss, _sgd, precisions=["fp32"], modes=["none"])
+        assert est.peak_bytes("fp32", "none") == kept, p
+        assert any("LayerDrop" in line for line in est.assumptions)
+    _, measured = _estimate_and_measure(lambda: _LayerDrop(0.0), x, loss)
+    assert kept == measured
+    est, measured = _estimate_and_measure(lambda: _LayerDrop(1.0), x, loss)  # every real step drops all
+    assert est.peak_bytes("fp32", "none") == measured < kept
+
+
+def test_the_users_batch_is_not_written_by_a_loss_that_writes_its_labels() -> None:
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    y = torch.tensor([0, 1, 2, 0, 1, 2, 0, 1])
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        inputs, labels = batch
+        labels[labels == 0] = -100  # in place, as some label pipelines do
+        return nn.functional.cross_entropy(model(inputs), labels, ignore_index=-100)
+
+    before = y.clone()
+    memfit.estimate(lambda: nn.Linear(4, 3), (x, y), loss, _sgd, precisions=["fp32"], modes=["none"])
+    torch.testing.assert_close(y, before, rtol=0, atol=0)
