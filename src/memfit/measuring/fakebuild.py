@@ -117,9 +117,9 @@ def build_fake(mode: FakeTensorMode, model_fn: Callable[[], nn.Module]) -> FakeM
     """Build ``model_fn()`` under ``mode``; where its constructor needs real values, on the
     meta device, its parameters and buffers then made fake tensors of ``mode``.
 
-    Trade-off: the meta build keeps no initial values (memory does not depend on them); a
-    tensor the constructor keeps as a plain attribute (neither parameter nor buffer) stays
-    on the meta device.
+    Trade-off: the meta build calls ``model_fn`` a second time and keeps no initial values
+    (memory does not depend on them); a tensor the constructor keeps as a plain attribute
+    (neither parameter nor buffer) stays on the meta device.
 
     Raises:
         ConfigError: ``model_fn`` does not return a module, or it fails both ways (the
