@@ -43,7 +43,7 @@ def test_estimate_with_levers_shows_the_head(capsys: pytest.CaptureFixture[str])
     pytest.importorskip("torchao")
     assert main(["estimate", *LLAMA, "--precision", "fp32", "--levers", "chunked_loss", "--quiet"]) == 0
     out = capsys.readouterr().out
-    title, (plain, chunked) = _head_rows(out)
+    title, (_plain, chunked) = _head_rows(out)
     assert title.startswith("loss head, fp32 (128 tokens x 32,000 vocabulary)")
     assert chunked.startswith("chunked_loss, ")
     assert "smallest plan with levers chunked_loss" in out
