@@ -207,3 +207,57 @@ def test_plan_chooses_the_head_lever_only_when_it_is_needed_to_fit() -> None:
     assert tight.levers == ["chunked_loss"]
     assert tight.measured_peak_bytes <= 0.5 * plain
     assert any("no logits" in n for n in tight.notes)
+
+
+def _tracked_second_step(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer, plan: Plan
+) -> tuple[float, int]:
+    """The first loss of ``memfit.train_step``, then PyTorch's MemTracker peak of the second."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import memfit
+    from memfit.checkpointing.compile import eager
+
+    first = float(memfit.train_step(model, batch, labels_loss, opt, plan))
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with eager(), tracker:  # torchao's compiled step, run as MemTracker sees it
+        memfit.train_step(model, batch, labels_loss, opt, plan)
+    peak = tracker.get_tracker_snapshot("peak")
+    return first, int(sum(v["Total"] for v in peak.values()))
+
+
+def test_a_budget_of_three_tenths_fits_with_every_lever_measured_by_memtracker() -> None:
+    """Issue 24's acceptance on a small vocabulary: the Qwen2-style decoder (tied embeddings,
+    intermediate size at its default) at 0.30x of its plain peak with ``levers="all"``: the
+    head lever, the fused step and 4-bit state (the tied embedding's step in slices), measured
+    by PyTorch's own MemTracker around ``memfit.train_step`` at or under the budget, the first
+    loss the plain model's."""
+    import copy
+
+    import memfit
+    from memfit.stepmodel import with_levers
+
+    model = _model("qwen2", vocab_size=32768, hidden_size=64, num_attention_heads=4, intermediate_size=5632,
+                   num_hidden_layers=4, max_position_embeddings=256)  # fmt: skip
+    fresh = copy.deepcopy(model)
+    x = torch.randint(0, 32768, (2, 256), generator=torch.Generator().manual_seed(3))
+    batch = (x, x)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prof = memfit.profile(model, batch, labels_loss, opt, "fp32", repeats=1)
+    plain = prof.measured_peak_bytes
+    plain_loss = labels_loss(copy.deepcopy(fresh), batch)
+    old = with_levers.STEP_SLICE_ELEMENTS
+    with_levers.STEP_SLICE_ELEMENTS = 2**18  # the tied 32k x 64 embedding steps in 8 slices
+    try:
+        plan = memfit.plan(model, batch, labels_loss, int(0.30 * plain), opt, "fp32", levers="all",
+                           profiles={"fp32": prof})  # fmt: skip
+        model, opt = memfit.prepare(model, opt, plan)
+        first, peak = _tracked_second_step(model, batch, opt, plan)
+    finally:
+        with_levers.STEP_SLICE_ELEMENTS = old
+    print(f"plain {plain:,} B; 0.30x plan {plan.levers} predicted {plan.predicted_peak_bytes:,} B, "
+          f"MemTracker {peak:,} B ({peak / plain:.3f}x)")  # fmt: skip
+    assert "chunked_loss" in plan.levers
+    assert peak <= int(0.30 * plain)
+    torch.testing.assert_close(torch.tensor(first), plain_loss.detach(), rtol=1e-4, atol=0)

@@ -21,7 +21,7 @@ from memfit.levers.spec import allowed_levers, missing_torchao_hint, normalize_l
 from memfit.measuring.estimate import estimate
 from memfit.planning.lever_sets import smallest_with_levers
 from memfit.records import Estimate, EstimateEntry
-from memfit.report.memory_tables import strategy_table, verdict_line
+from memfit.report.memory_tables import head_table, strategy_table, verdict_line
 from memfit.vocab import PRECISIONS
 
 __all__ = ["check", "run"]
@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
     grads = zero_grads_note(e.breakdown for e in ordered)
     if grads:
         print(f"({grads}.)")
+    for precision, prof in est.profiles.items() if args.levers else ():
+        table = head_table(prof.lever_facts.head if prof.lever_facts else None, precision)
+        if table is not None and precision != "fp16":  # fp16's head is bf16's (Note [fp16 is bf16's memory])
+            print()
+            print(table)
     print()
     print("assumptions:")
     for line in est.assumptions:

@@ -13,11 +13,12 @@ from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.common import config_from_args, zero_grads_note
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
+from memfit.measuring.lever_facts import head_facts
 from memfit.measuring.profile import profile
 from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.precision import Precision
 from memfit.records import EstimateEntry
-from memfit.report.memory_tables import block_table, strategy_table, verdict_line
+from memfit.report.memory_tables import block_table, head_table, strategy_table, verdict_line
 from memfit.stepmodel import simulate
 
 __all__ = ["check", "run"]
@@ -66,6 +67,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(block_table(prof))
     print()
+    head = head_table(head_facts(model, batch, spec.loss_fn, prof.precision), prof.precision)
+    if head is not None:
+        print(head)
+        print()
     entries = []
     for mode in prof.outside.saved_bytes:
         sim = simulate(prof, mode)

@@ -180,12 +180,25 @@ def _chunk_step(
     if grad_h is not None:
         grad_h[start : start + opts.chunk] = pc @ w
     if grad_w is not None:
-        if pc.dtype == torch.float32:
-            grad_w.addmm_(pc.T, hc.to(torch.float32))
-        else:
-            grad_w += pc.T @ hc
+        _add_weight_grad(grad_w, pc, hc)
     if grad_b is not None:
         grad_b += p.sum(0)
+
+
+def _add_weight_grad(grad_w: torch.Tensor, pc: torch.Tensor, hc: torch.Tensor) -> None:
+    """``grad_w += pc.T @ hc`` with ``grad_w`` fp32 and no vocabulary x hidden temporary.
+
+    In fp32 it is one in-place ``addmm_``. In bf16/fp16 (no mixed-dtype ``addmm`` on every
+    device) the product is made for slices of the vocabulary, each about one chunk's logits
+    in size: a whole V x H product in bf16 would be as large as half the weight gradient
+    itself (1 GB for Llama 3's 128k x 4096 head), made once per chunk.
+    """
+    if pc.dtype == torch.float32:
+        grad_w.addmm_(pc.T, hc.to(torch.float32))
+        return
+    rows = max(1, CHUNK_ELEMENTS // max(1, grad_w.shape[1]))
+    for s in range(0, grad_w.shape[0], rows):
+        grad_w[s : s + rows] += pc[:, s : s + rows].T @ hc
 
 
 def _chunk_loss(

@@ -17,6 +17,9 @@ Trade-off: torchao's step is ``torch.compile(fullgraph=True)``, which cannot run
 MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), which holds
 more temporaries than the compiled step: measured peaks are upper bounds of the compiled ones.
 
+A parameter larger than :data:`memfit.stepmodel.with_levers.STEP_SLICE_ELEMENTS` steps in
+slices of its rows (Note [the step in slices]).
+
 Example:
     >>> import torch
     >>> lin = torch.nn.Linear(64, 64)
@@ -31,12 +34,14 @@ Example:
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
 
 from memfit.errors import LeverRefused
 from memfit.levers.spec import ADAM_LIKE, torchao_available
+from memfit.stepmodel import with_levers
 from memfit.vocab import WEIGHTS
 
 __all__ = ["is_lever_optimizer", "lever_optimizer"]
@@ -60,14 +65,79 @@ def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
             group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
 
 
+# Note [the step in slices]
+# torchao's AdamW steps one parameter at a time, in fp32: for a 39M-element tied embedding
+# (Qwen2's 152k x 256) the eager step holds about 24 bytes per element of fp32 temporaries,
+# nearly 1 GB, more than the low-bit state saves. The update is elementwise, so stepping a
+# parameter in slices of rows (views of the parameter, its gradient and its moments; torchao's
+# quantized moments slice along their first dimension at block boundaries) gives the same
+# numbers with one slice's temporaries. Sharded (DTensor) parameters step whole.
+
+
+def _slices(p: torch.Tensor, moments: list[Any]) -> list[tuple[int, int]]:
+    """Row ranges of ``p`` to step one at a time (Note [the step in slices])."""
+    size = with_levers.STEP_SLICE_ELEMENTS
+    sharded = getattr(p, "device_mesh", None) is not None  # a DTensor (FSDP2) steps whole
+    if p.dim() == 0 or p.numel() <= size or sharded:
+        return [(0, p.shape[0] if p.dim() else 0)]
+    stride = p[0].numel()
+    unit = 1
+    for m in moments:
+        block = getattr(m, "block_size", None)
+        if block:
+            unit = math.lcm(unit, block // math.gcd(block, stride))
+    rows = max(unit, size // stride // unit * unit)
+    return [(s, min(s + rows, p.shape[0])) for s in range(0, p.shape[0], rows)]
+
+
+def _step_param(opt: Any, group: dict[str, Any], p: torch.Tensor) -> None:
+    """One parameter's AdamW step with torchao's ``single_param_adam``, slice by slice."""
+    from torchao.optim.adam import single_param_adam
+
+    state = opt.state[p]
+    if not state:
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = opt._new_buffer(p, True)
+        state["exp_avg_sq"] = opt._new_buffer(p, False)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = opt._new_buffer(p, False)
+    state["step"] += 1
+    moments = [state["exp_avg"], state["exp_avg_sq"], state.get("max_exp_avg_sq")]
+    fn = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+    rounding = bool(opt.bf16_stochastic_round and p.dtype is torch.bfloat16)
+    whole = p.detach()
+    for a, b in _slices(p, moments):
+        sl = slice(None) if p.dim() == 0 else slice(a, b)
+        parts = [None if t is None else t[sl] for t in (whole, p.grad, *moments)]
+        fn(parts[0], parts[1], state["step"], *parts[2:], group["lr"], group["betas"][0], group["betas"][1],
+           group["weight_decay"], group["eps"], opt.is_adamw, rounding)  # fmt: skip
+
+
+def _sliced_step(opt: Any, closure: Any = None) -> Any:
+    """torchao's ``step``, each large parameter in slices (Note [the step in slices])."""
+    _lr_as_tensor(opt)
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError("torchao's AdamW does not take sparse gradients; use dense ones.")
+                _step_param(opt, group, p)
+    return loss
+
+
 @functools.cache
 def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
     from torchao.optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, _AdamW
 
     def make(base: type[Any], name: str) -> type[torch.optim.Optimizer]:
         def step(self: Any, closure: Any = None) -> Any:
-            _lr_as_tensor(self)
-            return base.step(self, closure)
+            return _sliced_step(self, closure)
 
         def _new_buffer(self: Any, p: torch.Tensor, signed: bool) -> torch.Tensor:
             # bf16 or fp32 moments whatever the weights' dtype (torchao's _AdamW follows the weights)

@@ -49,7 +49,7 @@ from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.fakebuild import FakeFallbacks, build_fake, fake_batch, model_limits
-from memfit.measuring.lever_facts import attach_lever_facts
+from memfit.measuring.lever_facts import attach_lever_facts, head_facts
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
@@ -206,11 +206,17 @@ def _profiles_and_entries(
     return profiles, entries
 
 
-def _finish_profiles(f: _Fake, profiles: dict[str, Profile], levers: bool) -> None:
-    """The optimizer's facts (and, with ``levers``, the levers') on every profile."""
+def _finish_profiles(
+    f: _Fake, profiles: dict[str, Profile], levers: bool, step: tuple[Batch, LossFn]
+) -> None:
+    """The optimizer's facts (and, with ``levers``, the levers', the loss head's included) on
+    every profile."""
     by_dtype = optimizer_state_bytes(f.optimizer)
     for prof in profiles.values() if levers else []:
         attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
+        assert prof.lever_facts is not None
+        with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
+            prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)
@@ -260,7 +266,7 @@ def estimate(
     profiles, entries = _profiles_and_entries(
         f, batch, loss_fn, checked, checked_modes if f.blocks else ["none"]
     )
-    _finish_profiles(f, profiles, levers)
+    _finish_profiles(f, profiles, levers, (f.batch, loss_fn))
     for line in f.fallbacks.lines():
         progress.note(line)
     derived = "fp16" in checked and "bf16" in checked

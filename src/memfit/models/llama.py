@@ -49,6 +49,8 @@ class LlamaConfig:
     """Width of the residual stream."""
     n_head: int = 2
     """Attention heads; must divide n_embd into an even head size."""
+    n_kv_head: int = 0
+    """Key/value heads (grouped-query attention, as in Llama 3); 0 means n_head (one per query head)."""
     hidden: int = 0
     """SwiGLU hidden width; 0 means LLaMA's rule, 2/3 * 4 * n_embd rounded up to 256."""
     block_size: int = 16
@@ -68,9 +70,17 @@ class LlamaConfig:
             )
         if self.hidden == 0:
             self.hidden = 256 * -(-(8 * self.n_embd // 3) // 256)
+        if self.n_kv_head == 0:
+            self.n_kv_head = self.n_head
+        if self.n_kv_head < 1 or self.n_head % self.n_kv_head:
+            raise ConfigError(
+                f"model.kwargs.n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}); "
+                "use 0 for one key/value head per query head."
+            )
 
 
-#: Named sizes; ``7b`` is LLaMA-7B's shape, ``1.3b`` a 24-layer, 2048-wide one (1.36 B parameters).
+#: Named sizes; ``7b`` is LLaMA-7B's shape, ``8b`` Llama-3-8B's (128,256-token vocabulary,
+#: 8 key/value heads, 8.03 B parameters), ``1.3b`` a 24-layer, 2048-wide one (1.36 B parameters).
 PRESETS: dict[str, dict[str, int]] = {
     "tiny": {},
     "1.3b": {
@@ -87,6 +97,15 @@ PRESETS: dict[str, dict[str, int]] = {
         "n_head": 32,
         "hidden": 11008,
         "block_size": 4096,
+    },
+    "8b": {
+        "vocab_size": 128256,
+        "n_layer": 32,
+        "n_embd": 4096,
+        "n_head": 32,
+        "n_kv_head": 8,
+        "hidden": 14336,
+        "block_size": 8192,
     },
 }
 
@@ -115,19 +134,21 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        kv = cfg.n_embd // cfg.n_head * cfg.n_kv_head
         self.wq = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.wk = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
-        self.wv = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.wk = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.wv = nn.Linear(cfg.n_embd, kv, bias=False)
         self.wo = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (
-            w(x).view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-            for w in (self.wq, self.wk, self.wv)
-        )
+        d = c // self.n_head
+        q = self.wq(x).view(b, t, self.n_head, d).transpose(1, 2)
+        k, v = (w(x).view(b, t, self.n_kv_head, d).transpose(1, 2) for w in (self.wk, self.wv))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if self.n_kv_head != self.n_head:  # grouped-query attention: each kv head serves a group
+            k, v = (z.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for z in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, c))
 
@@ -197,7 +218,7 @@ class Llama(nn.Module):
 
 
 def llama(preset: str = "tiny", **overrides: Any) -> ModelSpec:
-    """Build a LLaMA-style model from a preset (``tiny``, ``1.3b``, ``7b``) and field overrides.
+    """Build a LLaMA-style model from a preset (``tiny``, ``1.3b``, ``7b``, ``8b``) and field overrides.
 
     Args:
         preset: a key of :data:`PRESETS`.

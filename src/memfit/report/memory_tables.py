@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from memfit.budget import format_bytes
-from memfit.records import BREAKDOWN_KEYS, EstimateEntry, Profile
+from memfit.records import BREAKDOWN_KEYS, EstimateEntry, HeadFacts, Profile
 from memfit.report.table import text_table
 
-__all__ = ["STRATEGY_HEADERS", "block_table", "strategy_table", "verdict_line"]
+__all__ = ["STRATEGY_HEADERS", "block_table", "head_table", "strategy_table", "verdict_line"]
 
 STRATEGY_HEADERS = (
     "strategy",
@@ -113,3 +113,38 @@ def block_table(prof: Profile) -> str:
         row += [f"{b.forward_flops / 1e9:.3f}"]
         rows.append(row)
     return text_table(headers, rows)
+
+
+def head_table(facts: HeadFacts | None, precision: str = "") -> str | None:
+    """The loss head on its own rows, plain and with ``chunked_loss``; None when there is no head.
+
+    The bytes are the head's alone (projection and cross-entropy on the step's hidden states,
+    its input alive), as measured or estimated by
+    :func:`memfit.measuring.lever_facts.head_facts`; a refused lever says why instead.
+
+    Example:
+        >>> from memfit.records import HeadCost
+        >>> f = HeadFacts(tokens=8, hidden=4, vocab=100, chunk_tokens=2,
+        ...               plain=HeadCost(3200, 6400, 6400), chunked=HeadCost(1600, 2000, 1600))
+        >>> print(head_table(f).splitlines()[3].split("  ")[0])
+        chunked_loss, 4 chunks of 2 tokens
+    """
+    if facts is None:
+        return None
+    at = f", {precision}" if precision else ""
+    title = f"loss head{at} ({facts.tokens:,} tokens x {facts.vocab:,} vocabulary)"
+    if facts.refused:
+        return f"{title}: chunked_loss cannot shrink it: {facts.refused}"
+    rows = []
+    size = min(facts.chunk_tokens, facts.tokens)
+    count = -(-facts.tokens // max(1, size))
+    chunks = f"chunked_loss, {count} chunk{'s' if count > 1 else ''} of {size:,} tokens"
+    for name, cost in (("plain", facts.plain), (chunks, facts.chunked)):
+        rows.append([name, format_bytes(cost.saved_bytes), format_bytes(cost.forward_peak_bytes),
+                     format_bytes(cost.backward_peak_bytes)])  # fmt: skip
+    table = text_table([title, "keeps", "forward peak", "backward peak"], rows)
+    note = (
+        "(chunked_loss keeps the head weight's fp32 gradient, "
+        f"{format_bytes(facts.weight_grad_bytes)}, from its forward: the plain head makes it in its backward)"
+    )
+    return f"{table}\n{note}"

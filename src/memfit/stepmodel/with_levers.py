@@ -45,7 +45,18 @@ from memfit.errors import ConfigError
 from memfit.records import LeverFacts, Profile
 from memfit.vocab import LEVERS, WEIGHTS
 
-__all__ = ["state_bytes", "state_kind_of", "temp_key", "with_levers"]
+__all__ = [
+    "STEP_SLICE_ELEMENTS",
+    "state_bytes",
+    "state_kind_of",
+    "step_slice_numel",
+    "temp_key",
+    "with_levers",
+]
+
+#: torchao's AdamW steps a parameter larger than this in slices of about this many elements
+#: (:mod:`memfit.levers.optim`), so its step's fp32 temporaries are those of one slice.
+STEP_SLICE_ELEMENTS = 2**22
 
 _BLOCK = {"8bit": 256, "4bit": 128}
 _MIN_QUANTIZED = 4096
@@ -81,6 +92,17 @@ def state_kind_of(levers: Sequence[str]) -> str:
     if kinds:
         return kinds[0]
     return "fp32" if "weights_bf16" in levers else "orig"
+
+
+def step_slice_numel(numel: int, kind: str) -> int:
+    """The elements one step of a ``numel``-element parameter works on at once: all of them for
+    the user's optimizer (``orig``), at most :data:`STEP_SLICE_ELEMENTS` for torchao's AdamW.
+
+    Example:
+        >>> step_slice_numel(10_000_000, "4bit"), step_slice_numel(10_000_000, "orig")
+        (4194304, 10000000)
+    """
+    return numel if kind == "orig" else min(numel, STEP_SLICE_ELEMENTS)
 
 
 def temp_key(kind: str, weights: str) -> str:
@@ -134,7 +156,7 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         out.optimizer_bytes = sum(state_bytes(n, wbytes, kind, facts.amsgrad) for n in numels)
         out.optimizer = f"torchao AdamW ({kind} state)"
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
-        out.optimizer_temp_bytes = round(per * max(numels, default=0))
+        out.optimizer_temp_bytes = round(per * max((step_slice_numel(n, kind) for n in numels), default=0))
         out.optimizer_bytes_by_dtype = {}
         # the step's time: every trained element at the kind's measured cost instead of the
         # user's optimizer's (both measured eagerly: an upper bound;
@@ -148,7 +170,7 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
-            part: max((n * wbytes + round(per * n) for n in ns), default=0)
+            part: max((n * wbytes + round(per * step_slice_numel(n, kind)) for n in ns), default=0)
             for part, ns in facts.params.items()
         }
     return out
