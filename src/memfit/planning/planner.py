@@ -329,7 +329,8 @@ def _chosen(
 ) -> tuple[Plan, dict[str, Profile]]:
     """The fastest plan that fits, with the least risky levers it needs (verified if asked)."""
     allowed = request.levers
-    step = (planner.batch, planner.loss_fn) if "chunked_loss" in allowed else None
+    stepped = {"chunked_loss", "frozen_bf16", "frozen_nf4"} & set(allowed)
+    step = (planner.batch, planner.loss_fn) if stepped else None
     for prof in profs.values() if allowed else []:
         attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model), step)
     allowed, unusable = usable_levers(profs, allowed)

@@ -1,0 +1,162 @@
+"""The frozen-weight levers (issue 25): ``frozen_bf16`` and ``frozen_nf4`` on a LoRA-style model.
+
+The model is memfit's built-in LLaMA with its base frozen (``requires_grad=False``) and
+small trainable low-rank adapters on the attention's query and value projections, added
+here (the core venv has no peft; tests/integrations/test_levers_frozen_peft.py uses peft).
+Bytes are MemTracker's; predictions are the step model's from a measured profile.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit.errors import LeverRefused
+from memfit.levers import allowed_levers, apply_levers
+from memfit.levers import spec as lever_spec
+from memfit.levers.frozen import frozen_params, is_nf4, nf4_linears
+from memfit.measuring.lever_facts import attach_lever_facts
+from memfit.models.llama import llama
+from memfit.records import Plan
+from memfit.stepmodel import simulate
+from memfit.stepmodel.with_levers import with_levers
+
+pytest.importorskip("torchao")
+
+#: A step's loss with an NF4 base against the same step with the fp32 base: NF4 moves each
+#: weight by up to ~1/16 of its block's range, so the loss moves by a few percent at most.
+NF4_LOSS_RTOL = 0.05
+#: The bf16 base against fp32: bf16 rounding of weights and activations.
+BF16_LOSS_RTOL = 0.02
+#: Predicted peak against measured, both of one step (MemTracker).
+PREDICTION_RTOL = 0.08
+
+
+class LoRA(nn.Module):
+    """``base(x) + x A^T B^T``: a frozen Linear and a trainable rank-``r`` update (B starts at 0)."""
+
+    def __init__(self, base: nn.Linear, r: int = 8) -> None:
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(r, base.in_features) * 0.02)
+        self.b = nn.Parameter(torch.zeros(base.out_features, r))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.a.t()) @ self.b.t()
+
+
+def _lora_llama(n_embd: int = 256, n_layer: int = 2, vocab: int = 512, seq: int = 32):
+    torch.manual_seed(0)
+    spec = llama(preset="tiny", n_layer=n_layer, n_embd=n_embd, n_head=4, vocab_size=vocab, block_size=seq)
+    model = spec.model
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.attn.wq = LoRA(block.attn.wq)
+        block.attn.wv = LoRA(block.attn.wv)
+    return spec, model
+
+
+def _adamw(model: nn.Module) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def test_nf4_replaces_frozen_linears_and_trains_the_adapters() -> None:
+    spec, model = _lora_llama()
+    x, y = spec.random_batch(2, seed=1)
+    reference = copy.deepcopy(model)
+    ref_loss = spec.loss_fn(reference, (x, y))
+    quantized = [name for name, _ in nf4_linears(model)]
+    assert "head" not in quantized and len(quantized) == 2 * 7  # q, k, v, o, w1, w2, w3 per block
+    # an optimizer over every parameter (frozen ones included) holds the NF4 weights afterwards
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = memfit.prepare(model, opt, Plan(blocks={}, precision="bf16", levers=["frozen_nf4"]))
+    assert all(is_nf4(model.get_submodule(n).weight) for n in quantized)
+    assert not any(
+        p.dtype == torch.float32 and p.dim() == 2 and p.numel() >= 65536 and not p.requires_grad
+        for g in opt.param_groups
+        for p in g["params"]
+        if p is not model.head.weight and p is not model.tok_emb.weight
+    )
+    loss = spec.loss_fn(model, (x, y))
+    torch.testing.assert_close(loss, ref_loss, rtol=NF4_LOSS_RTOL, atol=0.0)
+    assert loss != ref_loss  # the base really changed
+    loss.backward()
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in adapters if p.shape[1] == 8)
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_nf4_recomputes_under_checkpointing(mode: str) -> None:
+    spec, model = _lora_llama()
+    batch = spec.random_batch(2, seed=2)
+    memfit.prepare(model, _adamw(model), Plan(blocks={}, precision="fp32", levers=["frozen_nf4"]))
+    plain = copy.deepcopy(model)
+    spec.loss_fn(plain, batch).backward()
+    memfit.checkpoint(model, mode=mode)
+    loss = spec.loss_fn(model, batch)
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_frozen_bf16_casts_only_frozen_weights_in_place() -> None:
+    spec, model = _lora_llama()
+    batch = spec.random_batch(2, seed=3)
+    ref = spec.loss_fn(copy.deepcopy(model), batch)
+    frozen = frozen_params(model)
+    model, _ = memfit.prepare(model, _adamw(model), Plan(blocks={}, precision="bf16", levers=["frozen_bf16"]))
+    assert all(p.dtype == torch.bfloat16 for p in frozen)
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    prec = memfit.Precision("bf16")
+    with prec.autocast():
+        loss = spec.loss_fn(model, batch)
+    torch.testing.assert_close(loss.float(), ref, rtol=BF16_LOSS_RTOL, atol=0.0)
+
+
+def test_refused_without_frozen_weights_at_fp32_and_without_torchao(monkeypatch) -> None:
+    spec = llama(preset="tiny")
+    opt = _adamw(spec.model)
+    kept, refused = allowed_levers("all", device="cpu", optimizer=opt, precision="bf16", model=spec.model)
+    assert "frozen_bf16" not in kept and "frozen_nf4" not in kept
+    assert "requires_grad=False" in refused["frozen_bf16"] and "nn.Linear" in refused["frozen_nf4"]
+    with pytest.raises(LeverRefused, match="freeze the base"):
+        memfit.prepare(spec.model, opt, Plan(blocks={}, precision="bf16", levers=["frozen_nf4"]))
+    _, model = _lora_llama()
+    with pytest.raises(LeverRefused, match="use bf16"):
+        apply_levers(model, _adamw(model), Plan(blocks={}, precision="fp32", levers=["frozen_bf16"]))
+    # without torchao: one sentence naming the command, and nothing applied (not even frozen_bf16)
+    before = {n: (p.dtype, type(p.data)) for n, p in model.named_parameters()}
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
+    )
+    with pytest.raises(LeverRefused, match="pip install torchao") as info:
+        apply_levers(
+            model, _adamw(model), Plan(blocks={}, precision="bf16", levers=["frozen_bf16", "frozen_nf4"])
+        )
+    assert str(info.value).count(".") <= 3 and "frozen_nf4" in str(info.value)
+    assert {n: (p.dtype, type(p.data)) for n, p in model.named_parameters()} == before
+    assert (
+        lever_spec.refusal("frozen_nf4", device="cpu", optimizer_name="AdamW", precision="bf16") is not None
+    )
+
+
+@pytest.mark.parametrize("levers", [["frozen_bf16"], ["frozen_nf4"], ["frozen_bf16", "frozen_nf4"]])
+def test_prediction_matches_measured_bytes(levers: list[str]) -> None:
+    spec, model = _lora_llama()
+    batch = spec.random_batch(1, seed=4)
+    profiler = memfit.profile(model, batch, spec.loss_fn, _adamw(model), "bf16")
+    attach_lever_facts(profiler, model, _adamw(model), memfit.find_blocks(model), (batch, spec.loss_fn))
+    plain = simulate(profiler, "none").peak_bytes
+    predicted = simulate(with_levers(profiler, levers), "none").peak_bytes
+    opt = _adamw(model)
+    model, opt = memfit.prepare(model, opt, Plan(blocks={}, precision="bf16", levers=levers))
+    measured = memfit.measure(model, batch, spec.loss_fn, opt, "bf16", steps=1).peak_bytes
+    assert measured < plain * (0.5 if "frozen_nf4" in levers else 0.7)
+    assert abs(predicted - measured) <= PREDICTION_RTOL * measured, (predicted, measured)
