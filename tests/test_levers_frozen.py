@@ -160,3 +160,33 @@ def test_prediction_matches_measured_bytes(levers: list[str]) -> None:
     measured = memfit.measure(model, batch, spec.loss_fn, opt, "bf16", steps=1).peak_bytes
     assert measured < plain * (0.5 if "frozen_nf4" in levers else 0.7)
     assert abs(predicted - measured) <= PREDICTION_RTOL * measured, (predicted, measured)
+
+
+def test_planner_leaves_the_base_alone_when_the_budget_does_not_need_it() -> None:
+    spec, model = _lora_llama()
+    batch = spec.random_batch(1, seed=5)
+    plain = memfit.measure(model, batch, spec.loss_fn, _adamw(model), "bf16", steps=1).peak_bytes
+    plan = memfit.plan(model, batch, spec.loss_fn, int(plain * 1.2), _adamw(model), "bf16", levers="all")
+    assert not {"frozen_bf16", "frozen_nf4"} & set(plan.levers)
+    assert all(not is_nf4(p) and p.dtype == torch.float32 for p in model.parameters())
+    # a model with no frozen weights plans with levers="all" and says why they were not used
+    full = llama(preset="tiny")
+    fp = memfit.plan(full.model, full.random_batch(2, seed=0), full.loss_fn, "90%", None, "bf16", levers="all")
+    assert any(n.startswith("lever frozen_nf4 not used") for n in fp.notes)
+
+
+@pytest.mark.slow
+def test_acceptance_a_4bit_base_fits_under_the_bf16_base_and_trains() -> None:
+    # issue 25: hidden 512, 4 layers, batch 1 x 64; budget 0.9x the frozen base held in bf16
+    spec, model = _lora_llama(n_embd=512, n_layer=4, vocab=2048, seq=64)
+    batch = spec.random_batch(1, seed=0)
+    budget = int(0.9 * 2 * sum(p.numel() for p in frozen_params(model)))
+    opt = _adamw(model)
+    plan = memfit.plan(model, batch, spec.loss_fn, budget, opt, "bf16", levers="all")
+    assert "frozen_nf4" in plan.levers
+    assert plan.measured_peak_bytes <= budget
+    assert any("NF4Tensor" in n and "not quantized" in n for n in plan.notes)
+    model, opt = memfit.prepare(model, opt, plan)
+    losses = [float(memfit.train_step(model, batch, spec.loss_fn, opt, plan)) for _ in range(3)]
+    assert losses[2] < losses[0], losses
+    assert memfit.measure(model, batch, spec.loss_fn, opt, plan.precision, steps=1).peak_bytes <= budget

@@ -45,6 +45,7 @@ __all__ = [
     "NF4_SCALER_BLOCK",
     "FrozenSaved",
     "cast_frozen",
+    "frozen_note",
     "frozen_params",
     "frozen_refusal",
     "is_nf4",
@@ -205,6 +206,29 @@ def park_frozen(saved: FrozenSaved) -> None:
     for _, old, _ in saved.linears:
         if old.device.type != "cpu":
             old.data = old.data.to("cpu")
+
+
+def frozen_note(levers: list[str], quantized: int = 0) -> str | None:
+    """The plan's note on its frozen-weight levers (None without them); ``quantized``: the
+    values NF4 holds.
+
+    Example:
+        >>> frozen_note(["frozen_bf16"])[:38]
+        'frozen_bf16: the frozen weights (requ'
+    """
+    notes = []
+    if "frozen_nf4" in levers:
+        notes.append(
+            f"frozen_nf4: the frozen nn.Linear weights ({quantized:,} values) in NF4 as QLoRA defines it "
+            f"(blocks of {NF4_BLOCK}, their scales in 8 bits per {NF4_SCALER_BLOCK}), through torchao's "
+            "NF4Tensor, not bitsandbytes even where installed: torchao's runs on CPUs and GPUs, is a tensor "
+            "MemTracker counts and recomputes under checkpointing like any op; embeddings, norms, biases "
+            "and the output head are not quantized (See Note [what NF4 replaces])"
+        )
+    if "frozen_bf16" in levers:
+        rest = "the other frozen weights" if "frozen_nf4" in levers else "the frozen weights"
+        notes.append(f"frozen_bf16: {rest} (requires_grad=False) in bf16, without an fp32 copy")
+    return "; ".join(notes) + "." if notes else None
 
 
 def restore_frozen(saved: FrozenSaved) -> None:
