@@ -171,7 +171,8 @@ def test_planner_leaves_the_base_alone_when_the_budget_does_not_need_it() -> Non
     assert all(not is_nf4(p) and p.dtype == torch.float32 for p in model.parameters())
     # a model with no frozen weights plans with levers="all" and says why they were not used
     full = llama(preset="tiny")
-    fp = memfit.plan(full.model, full.random_batch(2, seed=0), full.loss_fn, "90%", None, "bf16", levers="all")
+    batch = full.random_batch(2, seed=0)
+    fp = memfit.plan(full.model, batch, full.loss_fn, "90%", None, "bf16", levers="all")
     assert any(n.startswith("lever frozen_nf4 not used") for n in fp.notes)
 
 
