@@ -95,15 +95,30 @@ def usable_levers(
     profiles: Mapping[str, Profile], allowed: Sequence[str]
 ) -> tuple[list[str], dict[str, str]]:
     """``allowed`` less ``chunked_loss`` where the profiles cannot predict it, with the reason
-    (its head facts say the loss does not go through the model's head, or were not measured)."""
-    if "chunked_loss" not in allowed:
-        return list(allowed), {}
+    (its head facts say the loss does not go through the model's head, or were not measured),
+    and less the frozen-weight levers where the model has no weights they change."""
+    out, refused = list(allowed), _unusable_frozen(profiles, allowed)
+    if "chunked_loss" in allowed:
+        for prof in profiles.values():
+            head = prof.lever_facts.head if prof.lever_facts is not None else None
+            why = "its loss head was not measured" if head is None else head.refused
+            if why:
+                refused["chunked_loss"] = why
+                break
+    return [n for n in out if n not in refused], refused
+
+
+def _unusable_frozen(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> dict[str, str]:
+    """``{lever: why}`` for the frozen-weight levers of ``allowed`` the profiles cannot predict."""
+    refused = {}
     for prof in profiles.values():
-        head = prof.lever_facts.head if prof.lever_facts is not None else None
-        why = "its loss head was not measured" if head is None else head.refused
-        if why:
-            return [n for n in allowed if n != "chunked_loss"], {"chunked_loss": why}
-    return list(allowed), {}
+        frozen = prof.lever_facts.frozen if prof.lever_facts is not None else None
+        for lever in {"frozen_bf16", "frozen_nf4"} & set(allowed):
+            if frozen is None:
+                refused[lever] = "the model has no frozen weights (requires_grad=False)"
+            elif lever == "frozen_nf4" and not frozen.nf4:
+                refused[lever] = "the model has no frozen nn.Linear weight NF4 can hold"
+    return refused
 
 
 def resolve_levers(
