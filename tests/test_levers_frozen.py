@@ -191,3 +191,39 @@ def test_acceptance_a_4bit_base_fits_under_the_bf16_base_and_trains() -> None:
     losses = [float(memfit.train_step(model, batch, spec.loss_fn, opt, plan)) for _ in range(3)]
     assert losses[2] < losses[0], losses
     assert memfit.measure(model, batch, spec.loss_fn, opt, plan.precision, steps=1).peak_bytes <= budget
+
+
+def lora_byte_llama() -> nn.Module:
+    """For ``memfit check --set model.name=import:test_levers_frozen:lora_byte_llama``: a frozen
+    byte-level LLaMA with LoRA adapters, trained on the demo's text corpus."""
+    return _lora_llama(n_embd=128, n_layer=2, vocab=256, seq=256)[1]
+
+
+def test_check_levers_passes_nf4_against_the_bf16_base(tmp_path, capsys) -> None:
+    from memfit.cli.main import main
+
+    args = ["check", "--set", "model.name=import:test_levers_frozen:lora_byte_llama"]
+    args += ["--set", "model.block_size=32", "--set", "train.batch_size=2", "--set", "train.eval_batches=1"]
+    args += ["--set", "data.max_bytes=200000", "--set", "optimizer.lr=0.01"]
+    args += ["--steps", "20", "--precisions", "bf16", "--levers", "frozen_nf4"]
+    code = main([*args, "--out", str(tmp_path), "--quiet"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "bf16: PASS" in out and "reference: bf16 base (frozen_bf16)" in out
+
+
+@pytest.mark.parametrize("torchao", [True, False])
+def test_check_cli_refuses_a_frozen_lever_in_one_line(torchao: bool, tmp_path, capsys, monkeypatch) -> None:
+    from memfit.cli.main import main
+
+    name = "import:test_levers_frozen:lora_byte_llama" if not torchao else "gpt"
+    if not torchao:
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else real(n, *a)
+        )
+    args = ["check", "--set", f"model.name={name}", "--set", "model.block_size=32"]
+    code = main([*args, "--steps", "1", "--levers", "frozen_nf4", "--out", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert ("freeze the base" if torchao else "pip install torchao") in err
