@@ -44,6 +44,7 @@ from memfit.stepmodel.with_levers import with_levers
 from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [
+    "frozen_applied",
     "lever_profiles",
     "lever_sets",
     "levers_applied",
@@ -243,6 +244,17 @@ def replan_without(
             "so raise the budget or fix what the check found.",
             lever,
         ) from None
+
+
+@contextlib.contextmanager
+def frozen_applied(model: nn.Module, levers: Sequence[str]) -> Iterator[None]:
+    """Run the body with the frozen-weight levers of ``levers`` on ``model`` (undone after):
+    a loss to compare with a step of the plan is computed with the same frozen weights."""
+    saved = frozen_levers(model, None, [n for n in levers if n in ("frozen_bf16", "frozen_nf4")])
+    try:
+        yield
+    finally:
+        restore_frozen(saved)
 
 
 @contextlib.contextmanager

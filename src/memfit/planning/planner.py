@@ -47,6 +47,7 @@ from memfit.planning.budgets import fixed_bytes, held_bytes, refuse_over_room, r
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import (
+    frozen_applied,
     levers_applied,
     plan_with_levers,
     replan_without,
@@ -231,7 +232,7 @@ class _Planner:
         reference = None
         if result.segments and result.micro_batches == 1:
             uncheckpoint(self.model)
-            with torch.no_grad(), prec.autocast():
+            with torch.no_grad(), prec.autocast(), frozen_applied(self.model, result.levers):
                 reference = float(self.loss_fn(self.model, self.batch))
         apply(self.model, result)
         torch.set_rng_state(rng)
