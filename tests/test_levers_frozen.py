@@ -227,3 +227,23 @@ def test_check_cli_refuses_a_frozen_lever_in_one_line(torchao: bool, tmp_path, c
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert ("freeze the base" if torchao else "pip install torchao") in err
+
+
+def test_estimate_counts_the_frozen_levers_on_a_fake_model() -> None:
+    from memfit.planning.lever_sets import smallest_with_levers
+
+    spec, _ = _lora_llama()
+    batch = spec.random_batch(1, seed=0)
+    est = memfit.estimate(lambda: _lora_llama()[1], batch, spec.loss_fn, _adamw_of, levers=True)
+    assert all(p.lever_facts is not None and p.lever_facts.frozen is not None for p in est.profiles.values())
+    plain = min(e.peak_bytes for e in est.entries)
+    best = smallest_with_levers(est.profiles, ["frozen_bf16", "frozen_nf4"])
+    assert best is not None and "frozen_nf4" in best.levers and best.peak_bytes < plain
+    # NF4 cannot run under fp16 autocast: refused there, never predicted there
+    why = lever_spec.refusal("frozen_nf4", device="cpu", optimizer_name="AdamW", precision="fp16")
+    assert why is not None and "use bf16 or fp32" in why
+    assert best.precision != "fp16"
+
+
+def _adamw_of(params) -> torch.optim.AdamW:
+    return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2)

@@ -133,6 +133,11 @@ def frozen_refusal(lever: str, model: nn.Module | None, precision: str) -> str |
             f"frozen_bf16 keeps the frozen weights in bf16, so the step computes in bf16; it cannot run "
             f"at precision {precision}: use bf16."
         )
+    if lever == "frozen_nf4" and precision == "fp16":
+        return (
+            "frozen_nf4 dequantizes its bf16-scaled weights inside the step, which torch's fp16 autocast "
+            "cannot run; use bf16 or fp32."
+        )
     if lever == "frozen_nf4" and not nf4_available():
         return (
             f"frozen_nf4 needs torchao's NF4 tensor, which is not installed: `{_INSTALL}` (or "

@@ -434,9 +434,10 @@ def frozen_facts(
         facts.nf4.setdefault(owner.get(id(lin.weight), ""), []).append(lin.weight.numel())
     if facts.nf4:
         facts.nf4_bytes = _nf4_bytes([n for ns in facts.nf4.values() for n in ns], device)
+    if facts.nf4 and precision != "fp16":  # frozen_nf4 does not run under fp16 autocast
         fwd, bwd = _nf4_probe_temps(device, precision)
         facts.nf4_forward_temp_per_element, facts.nf4_backward_temp_per_element = fwd, bwd
-    if step is None:
+    if step is None or precision == "fp16":
         return facts
     plain = _saved_by_part(model, blocks, step, precision)
     # the NF4 weights made once: frozen_nf4, then frozen_bf16 on top; then frozen_bf16 alone

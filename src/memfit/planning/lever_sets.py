@@ -145,11 +145,12 @@ def resolve_levers(
 
 def lever_profiles(profiles: Mapping[str, Profile], levers: Sequence[str]) -> dict[str, Profile]:
     """The profiles a lever set can run at (``weights_bf16`` and ``frozen_bf16`` compute in
-    bf16), levers applied."""
+    bf16, ``frozen_nf4`` not in fp16), levers applied."""
     return {
         p: with_levers(prof, levers)
         for p, prof in profiles.items()
-        if not {"weights_bf16", "frozen_bf16"} & set(levers) or p == "bf16"
+        if (not {"weights_bf16", "frozen_bf16"} & set(levers) or p == "bf16")
+        and ("frozen_nf4" not in levers or p != "fp16")
     }
 
 
