@@ -3,8 +3,8 @@
 Levers change numerics (``state_*``, ``weights_bf16``) or the step's structure
 (``fused_step``, ``chunked_loss``), so the planner uses them only when asked (``levers=``)
 and only as far as the budget needs: it tries lever sets from the least to the most
-numeric risk (no lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights; the
-frozen weights in bf16, then in NF4: See Note [NF4 last]), each
+numeric risk (no lever; the frozen weights in bf16; the state in bf16, then 8 bits, then
+4 bits; bf16 weights; the frozen weights in NF4: See Note [NF4 last]), each
 without and then with the fused step (exact, but its clipping runs the backward twice),
 each of those without and then with the chunked loss head (exact to fp32 rounding; the
 model's output loses its logits), and keeps the first whose plan fits. Every set is
@@ -59,13 +59,14 @@ __all__ = [
 #: Numeric risk of each state kind (none first).
 _STATE_RISK = {None: 0, "state_bf16": 1, "state_8bit": 2, "state_4bit": 3}
 # Note [NF4 last]
-# A frozen base in bf16 rounds weights that were never trained in it; in NF4 it changes
-# them by a quantization error of a few percent: the most a lever changes. So frozen_bf16
-# comes after bf16 weights alone, and frozen_nf4 after every set without it: the planner
+# A frozen base in bf16 rounds weights that never train (and holds nothing else): it comes
+# right after no lever, before the optimizer state's levers and bf16 weights (which round
+# the trained weights too). In NF4 the base moves by a quantization error of a few percent:
+# the most a lever changes, so frozen_nf4 comes after every set without it, and the planner
 # quantizes the base only when nothing else fits the budget.
 _FROZEN_RISK: dict[tuple[str, ...], int] = {
     (): 0,
-    ("frozen_bf16",): 8,
+    ("frozen_bf16",): 1,
     ("frozen_nf4",): 20,
     ("frozen_bf16", "frozen_nf4"): 21,
 }
