@@ -218,8 +218,8 @@ def frozen_note(levers: list[str], quantized: int = 0) -> str | None:
     values NF4 holds.
 
     Example:
-        >>> frozen_note(["frozen_bf16"])[:38]
-        'frozen_bf16: the frozen weights (requ'
+        >>> frozen_note(["frozen_bf16"]).split(" (")[0]
+        'frozen_bf16: the frozen weights'
     """
     notes = []
     if "frozen_nf4" in levers:
