@@ -208,6 +208,7 @@ def test_check_levers_passes_nf4_against_the_bf16_base(tmp_path, capsys) -> None
     out = capsys.readouterr().out
     assert code == 0, out
     assert "bf16: PASS" in out and "reference: bf16 base (frozen_bf16)" in out
+    assert "differs from the bf16 base by" in out and "from fp32" not in out
 
 
 @pytest.mark.parametrize("torchao", [True, False])

@@ -217,6 +217,8 @@ def _check_precision(
         reference_run=twin.curve if twin is not None else None,
     )
     pc.verdict, pc.reasons = judge(pc, s.thresholds)
+    if base.curve.precision != "fp32":  # See Note [NF4 judged against the bf16 base]
+        pc.reasons = [t.replace(" fp32", " the bf16 base") for t in pc.reasons]
     return pc
 
 
