@@ -68,9 +68,18 @@ CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
 #: What a plan may change beyond activations (see :mod:`memfit.levers`): the optimizer step
 #: fused into the backward, the optimizer state in bf16 / 8 bits / 4 bits, bf16 weights
 #: without an fp32 master copy, activations offloaded to host memory (CUDA only), the loss head
-#: (projection and cross-entropy) computed in chunks of tokens without the whole logits.
+#: (projection and cross-entropy) computed in chunks of tokens without the whole logits; the
+#: frozen weights (``requires_grad=False``) in bf16, or their Linear weights in 4-bit NF4.
 LeverName = Literal[
-    "fused_step", "state_bf16", "state_8bit", "state_4bit", "weights_bf16", "offload", "chunked_loss"
+    "fused_step",
+    "state_bf16",
+    "state_8bit",
+    "state_4bit",
+    "weights_bf16",
+    "offload",
+    "chunked_loss",
+    "frozen_bf16",
+    "frozen_nf4",
 ]
 LEVERS: tuple[LeverName, ...] = typing.get_args(LeverName)
 #: How several processes train under torchrun (``train.distributed``).

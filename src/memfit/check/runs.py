@@ -35,6 +35,7 @@ from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
 from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
 from memfit.levers.apply import apply_levers, remove_levers
+from memfit.levers.frozen import frozen_params
 from memfit.precision import Precision
 from memfit.progress import phase
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
@@ -70,7 +71,8 @@ def finite(x: float | None) -> float | None:
 
 
 def flat_params(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters()])
+    """The trained parameters of ``model`` as one fp32 vector (frozen ones never move)."""
+    return torch.cat([p.detach().float().flatten().cpu() for p in model.parameters() if p.requires_grad])
 
 
 def _same_weights(a: dict[str, torch.Tensor], model: nn.Module) -> str | None:
@@ -195,6 +197,9 @@ class CheckRunner:
             # judged in fp32 like every run: the bf16 weights upcast (exactly) first
             remove_levers(model, optimizer)
             model.float()
+        elif "frozen_bf16" in levers:
+            for p in frozen_params(model):  # NF4 weights stay: they are what is judged
+                p.data = p.data.float()
         curve.eval_loss = self.evaluate(model, eval_batches)
         modules: list[ModuleRange] = []
         scale = float(precision.scaler.get_scale()) if precision.scaler.is_enabled() else 1.0

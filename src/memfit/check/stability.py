@@ -151,14 +151,30 @@ class _Reference:
     band: float
 
 
+# Note [NF4 judged against the bf16 base]
+# frozen_nf4 changes the frozen base itself (a quantization error of a few percent per
+# weight), so it cannot follow plain fp32 training of the same base; what QLoRA promises is
+# training like the base held in bf16. A check with frozen_nf4 therefore takes its
+# reference and noise runs at bf16 with the frozen base in bf16 (frozen_bf16) and no other
+# lever: the NF4 runs pass when they stay within the noise band of that training.
+
+
+def _reference_mode(levers: Sequence[str]) -> tuple[str, PrecisionName, list[str]]:
+    """The reference runs' name, precision and levers: fp32 and none, or the bf16 base."""
+    if "frozen_nf4" in levers:
+        return "bf16 base (frozen_bf16)", "bf16", ["frozen_bf16"]
+    return "fp32", "fp32", []
+
+
 def _reference(checker: CheckRunner, s: _Setup) -> _Reference:
-    ref = checker.run("fp32", "fp32", s.order, s.seed, s.eval_batches)
+    name, mode, levers = _reference_mode(s.levers)
+    ref = checker.run(name, mode, s.order, s.seed, s.eval_batches, levers=levers)
     if None in ref.curve.losses or ref.curve.eval_loss is None:
         raise ConfigError(
             f"the fp32 reference run itself produced a non-finite loss at step {len(ref.curve.losses)}; "
             "fix the model, data or learning rate in fp32 before checking mixed precision."
         )
-    noise = checker.run("fp32 (noise)", "fp32", s.shuffled, s.seed + 1, s.eval_batches)
+    noise = checker.run(f"{name} (noise)", mode, s.shuffled, s.seed + 1, s.eval_batches, levers=levers)
     floor = s.thresholds.band_floor * abs(ref.curve.eval_loss)
     noise_delta = (
         abs(noise.curve.eval_loss - ref.curve.eval_loss) if noise.curve.eval_loss is not None else math.inf
@@ -201,6 +217,8 @@ def _check_precision(
         reference_run=twin.curve if twin is not None else None,
     )
     pc.verdict, pc.reasons = judge(pc, s.thresholds)
+    if base.curve.precision != "fp32":  # See Note [NF4 judged against the bf16 base]
+        pc.reasons = [t.replace(" fp32", " the bf16 base") for t in pc.reasons]
     return pc
 
 
@@ -243,7 +261,8 @@ def check_stability(
             a log); False: none; None (default): as :mod:`memfit.progress` decides.
         levers: levers (:mod:`memfit.levers`) the precision runs use (default: the plan's);
             the fp32 reference and noise runs use none, so the check proves the levers train
-            the same model as plain fp32 AdamW.
+            the same model as plain fp32 AdamW (with ``frozen_nf4``, the reference is the
+            frozen base held in bf16: See Note [NF4 judged against the bf16 base]).
 
     Returns:
         A :class:`~memfit.records.StabilityReport`.

@@ -87,7 +87,8 @@ def _batches(cfg: Config, steps: int) -> tuple[list[Batch], list[Batch]]:
 def _summary(report: StabilityReport) -> str:
     lines = [f"memfit check: {report.verdict} (noise band {report.noise_band:.4g})"]
     if report.levers:
-        lines.append(f"  levers in the checked runs: {', '.join(report.levers)} (fp32 reference: none)")
+        ref = report.reference.name if report.reference.name != "fp32" else "fp32, no lever"
+        lines.append(f"  levers in the checked runs: {', '.join(report.levers)} (reference: {ref})")
     for pc in report.by_precision.values():
         lines.append(f"  {pc.precision}: {pc.verdict}")
         lines += [f"    - {r}" for r in pc.reasons]

@@ -12,6 +12,9 @@ also use, each only when asked (``memfit.plan(..., levers="all" | [names])``):
   stochastically (:mod:`.weights`, :mod:`.optim`).
 - ``offload``: chosen blocks' saved activations in pinned host memory (:mod:`.offload`,
   CUDA only).
+- ``chunked_loss``: the loss head in chunks of tokens (:mod:`.head`).
+- ``frozen_bf16`` / ``frozen_nf4``: the frozen weights (``requires_grad=False``) in bf16, or
+  their Linear weights in QLoRA's NF4 through torchao (:mod:`.frozen`).
 
 Which can run where is :mod:`.spec`; :func:`apply_levers` acts on a model and optimizer;
 :mod:`memfit.stepmodel.with_levers` predicts their bytes; ``memfit check --levers`` proves

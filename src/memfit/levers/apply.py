@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from memfit.devices import model_device
+from memfit.levers.frozen import FrozenSaved, cast_frozen, quantize_frozen
 from memfit.levers.fused import FusedStep, fused_step_of
 from memfit.levers.head import install_chunked_head, remove_chunked_head
 from memfit.levers.offload import clear_offload, offload_blocks
@@ -24,7 +25,7 @@ from memfit.levers.spec import check_levers, state_kind
 from memfit.levers.weights import cast_weights
 from memfit.records import Plan
 
-__all__ = ["apply_levers", "remove_levers"]
+__all__ = ["apply_levers", "frozen_levers", "remove_levers"]
 
 
 def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> torch.optim.Optimizer:
@@ -33,8 +34,10 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
     A state lever or ``weights_bf16`` returns a new optimizer (torchao's AdamW, same param
     groups and hyper-parameters); otherwise ``optimizer`` itself. ``weights_bf16`` casts the
     weights in place; ``fused_step`` installs the hooks; ``offload`` wraps ``plan.offload``;
-    ``chunked_loss`` makes the model compute its loss in chunks (:mod:`memfit.levers.head`).
-    Levers of an earlier plan that this one does not use are taken off (bf16 weights stay).
+    ``chunked_loss`` makes the model compute its loss in chunks (:mod:`memfit.levers.head`);
+    ``frozen_bf16`` casts the frozen weights to bf16 in place and ``frozen_nf4`` replaces frozen
+    Linear weights by NF4 ones, in the optimizer's param groups too (:mod:`memfit.levers.frozen`).
+    Levers of an earlier plan that this one does not use are taken off (bf16 and NF4 weights stay).
 
     Raises:
         LeverRefused: a lever cannot run with this device, optimizer or precision.
@@ -55,6 +58,7 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
             new = lever_optimizer(optimizer, kind, weights_bf16=bf16)
     if bf16:
         cast_weights(model)
+    frozen_levers(model, new, levers)
     clear_offload(model)
     if "offload" in levers:
         offload_blocks(model, plan.offload)
@@ -64,6 +68,22 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
     if "fused_step" in levers:
         FusedStep(new)
     return new
+
+
+def frozen_levers(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    levers: list[str],
+    saved: FrozenSaved | None = None,
+) -> FrozenSaved:
+    """Apply ``frozen_nf4`` then ``frozen_bf16`` of ``levers`` to ``model``; returns what to restore
+    (added to ``saved`` when given)."""
+    saved = saved if saved is not None else FrozenSaved()
+    if "frozen_nf4" in levers:
+        quantize_frozen(model, optimizer, saved)
+    if "frozen_bf16" in levers:
+        cast_frozen(model, saved)
+    return saved
 
 
 def remove_levers(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

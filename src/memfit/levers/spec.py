@@ -3,8 +3,9 @@
 ``levers=None`` (the default everywhere) uses none: each lever changes the numerics
 (``state_*``, ``weights_bf16``) or the step's structure (``fused_step``, ``offload``,
 ``chunked_loss``: the model's output has no logits), so it is used only when asked.
-``"all"`` allows every lever this device, optimizer, precision and model can run; a list
-names them. At most one ``state_*`` lever applies at a time.
+``"all"`` allows every lever this device, optimizer, precision and model can run (the
+frozen-weight levers only on a model with frozen weights); a list names them. At most one
+``state_*`` lever applies at a time.
 
 Example:
     >>> normalize_levers("fused_step,state_8bit")
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from memfit.errors import ConfigError, LeverRefused
+from memfit.levers.frozen import frozen_refusal
 from memfit.levers.head import head_refusal
 from memfit.vocab import LEVERS
 
@@ -121,11 +123,13 @@ def refusal(
     precision: str,
     model: nn.Module | None = None,
 ) -> str | None:
-    """Why ``lever`` cannot run here (one sentence), or None when it can (``chunked_loss``
-    is judged on ``model``; without one, when it is applied)."""
+    """Why ``lever`` cannot run here (one sentence), or None when it can (``chunked_loss``,
+    ``frozen_bf16`` and ``frozen_nf4`` are judged on ``model``; without one, when applied)."""
     dev = torch.device(device)
     if lever == "chunked_loss":
         return None if model is None else head_refusal(model)
+    if lever in ("frozen_bf16", "frozen_nf4"):
+        return frozen_refusal(lever, model, precision)
     if lever == "offload" and dev.type != "cuda":
         return (
             "offload moves activations to host memory, which on a CPU is the memory they are in: it "

@@ -29,10 +29,23 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from memfit.checkpointing.compile import eager
 from memfit.devices import unwrap
+from memfit.levers.apply import frozen_levers
+from memfit.levers.frozen import (
+    NF4_BLOCK,
+    NF4_SCALER_BLOCK,
+    FrozenSaved,
+    frozen_params,
+    is_nf4,
+    nf4_available,
+    nf4_linears,
+    restore_frozen,
+    to_nf4,
+)
 from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
 from memfit.levers.optim import lever_optimizer
@@ -42,12 +55,14 @@ from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
 from memfit.records import HeadCost, HeadFacts, LeverFacts, Profile
+from memfit.records.lever_facts import FrozenFacts
 from memfit.stepmodel.with_levers import temp_key
 from memfit.vocab import WEIGHTS
 
 __all__ = [
     "PROBE_NUMEL",
     "attach_lever_facts",
+    "frozen_facts",
     "head_cost",
     "head_facts",
     "lever_facts",
@@ -317,6 +332,130 @@ def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precis
     return facts
 
 
+# Note [the frozen weights measured]
+# What the frozen levers change is counted or measured, never assumed: the frozen elements
+# are counted on the model; NF4's bytes are those of two converted probe weights (linear in
+# the elements, so exact for every weight 64 x 256 divides); the temporaries of one NF4
+# Linear's forward and backward (torchao dequantizes the whole weight, then casts it to the
+# input's dtype) are measured per element on a probe under MemTracker; and what autograd
+# saves changes (under autocast a frozen fp32 weight's bf16 cast is saved by every matmul
+# whose input needs a gradient, a bf16 or NF4 weight saves nothing; a bf16 embedding makes
+# bf16 activations), so one forward of the step is run with each frozen lever set applied
+# and the saved bytes per part are compared with the model's own (mode none; the
+# checkpointed modes keep their measured numbers, an upper bound).
+
+#: Elements of the NF4 probe weights (a multiple of 64 x 256).
+_NF4_PROBE = 2 * NF4_BLOCK * NF4_SCALER_BLOCK
+_FROZEN_SETS = (("frozen_bf16",), ("frozen_nf4",), ("frozen_bf16", "frozen_nf4"))
+
+
+def _nf4_probe_temps(device: torch.device, precision: str) -> tuple[float, float]:
+    """Forward and backward temporaries of one NF4 Linear per weight element (the larger of
+    fp32 and bf16 inputs), above its input and output."""
+    torch.manual_seed(0)
+    weight = to_nf4(torch.randn(2 * NF4_SCALER_BLOCK, _NF4_PROBE // (2 * NF4_SCALER_BLOCK), device=device))
+    forward = backward = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, weight.shape[1], device=device, dtype=dtype, requires_grad=True)
+        tracker = PhaseTracker(device, {}, {})
+        with eager(), tracker:
+            with Precision(precision, device).autocast():  # type: ignore[arg-type]
+                tracker.enter_phase("nf4 forward")
+                start = tracker.total()
+                y = F.linear(x, weight)
+                out = tracker.total() - start
+            tracker.enter_phase("nf4 backward")
+            y.sum().backward()
+        forward = max(forward, tracker.phase_peak["nf4 forward"] - start - out)
+        backward = max(backward, tracker.phase_peak["nf4 backward"] - start - 2 * out)
+    return forward / _NF4_PROBE, backward / _NF4_PROBE
+
+
+def _nf4_bytes(numels: list[int], device: torch.device) -> int:
+    """Bytes of weights of ``numels`` elements in NF4, from two converted probes."""
+    rows = 2 * NF4_SCALER_BLOCK
+    a, b = (_nbytes(to_nf4(torch.zeros(rows, k * _NF4_PROBE // rows, device=device))) for k in (1, 2))
+    return sum(a + (b - a) * (n - _NF4_PROBE) // _NF4_PROBE for n in numels)
+
+
+def _saved_by_part(
+    model: nn.Module, blocks: Sequence[str], step: tuple[Any, Callable[..., Any]], precision: str
+) -> dict[str, int]:
+    """Bytes autograd saves in one forward of ``step``, per part (parameters not counted)."""
+    device = next(model.parameters()).device
+    held = {_ptr(p) for p in model.parameters() if not is_nf4(p)}
+    seen: set[int] = set()
+    by_part: dict[str, int] = {}
+    where = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not is_nf4(t) and t.device == device and _ptr(t) not in held and _ptr(t) not in seen:
+            seen.add(_ptr(t))
+            by_part[where[-1]] = by_part.get(where[-1], 0) + t.untyped_storage().nbytes()
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        return lambda module, args: where.append(name)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        where.pop()
+
+    hooks = []
+    for name in blocks:
+        module = model.get_submodule(name)
+        hooks += [module.register_forward_pre_hook(enter(name)), module.register_forward_hook(leave)]
+    try:
+        hooked = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.enable_grad(), hooked, Precision(precision, device).autocast():  # type: ignore[arg-type]
+            loss = step[1](model, step[0])
+        del loss
+    finally:
+        for h in hooks:
+            h.remove()
+    return by_part
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().data_ptr())
+
+
+def frozen_facts(
+    model: nn.Module, blocks: Sequence[str], step: tuple[Any, Callable[..., Any]] | None, precision: str
+) -> FrozenFacts | None:
+    """The frozen weights' facts of ``model`` (Note [the frozen weights measured]); None when
+    it has no frozen floating weights. Without ``step`` (or torchao) only the counts."""
+    frozen = frozen_params(model)
+    if not frozen:
+        return None
+    device = frozen[0].device
+    owner = {id(p): name for name in reversed(blocks) for p in model.get_submodule(name).parameters()}
+    facts = FrozenFacts(numel=sum(p.numel() for p in frozen), held_bytes=sum(_nbytes(p) for p in frozen))
+    for _, lin in nf4_linears(model) if nf4_available() else []:
+        facts.nf4.setdefault(owner.get(id(lin.weight), ""), []).append(lin.weight.numel())
+    if facts.nf4:
+        facts.nf4_bytes = _nf4_bytes([n for ns in facts.nf4.values() for n in ns], device)
+    if facts.nf4 and precision != "fp16":  # frozen_nf4 does not run under fp16 autocast
+        fwd, bwd = _nf4_probe_temps(device, precision)
+        facts.nf4_forward_temp_per_element, facts.nf4_backward_temp_per_element = fwd, bwd
+    if step is None or precision == "fp16":
+        return facts
+    plain = _saved_by_part(model, blocks, step, precision)
+    # the NF4 weights made once: frozen_nf4, then frozen_bf16 on top; then frozen_bf16 alone
+    passes = [_FROZEN_SETS[1:], _FROZEN_SETS[:1]] if facts.nf4 else [_FROZEN_SETS[:1]]
+    for sets in passes:
+        saved = FrozenSaved()
+        try:
+            for levers in sets:
+                frozen_levers(model, None, list(levers), saved)
+                now = _saved_by_part(model, blocks, step, precision)
+                facts.saved_delta[",".join(levers)] = {
+                    part: now.get(part, 0) - plain.get(part, 0) for part in {*plain, *now}
+                }
+        finally:
+            restore_frozen(saved)
+    return facts
+
+
 def attach_lever_facts(
     profile: Profile,
     model: nn.Module,
@@ -329,5 +468,6 @@ def attach_lever_facts(
     profile.lever_facts = lever_facts(model, optimizer, blocks)
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
+    profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
     profile.weights = weights_dtype(model)
     return profile

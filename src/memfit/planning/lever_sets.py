@@ -3,7 +3,8 @@
 Levers change numerics (``state_*``, ``weights_bf16``) or the step's structure
 (``fused_step``, ``chunked_loss``), so the planner uses them only when asked (``levers=``)
 and only as far as the budget needs: it tries lever sets from the least to the most
-numeric risk (no lever; the state in bf16, then 8 bits, then 4 bits; bf16 weights), each
+numeric risk (no lever; the frozen weights in bf16; the state in bf16, then 8 bits, then
+4 bits; bf16 weights; the frozen weights in NF4: See Note [NF4 last]), each
 without and then with the fused step (exact, but its clipping runs the backward twice),
 each of those without and then with the chunked loss head (exact to fp32 rounding; the
 model's output loses its logits), and keeps the first whose plan fits. Every set is
@@ -23,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import itertools
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -30,7 +32,8 @@ from torch import nn
 
 from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget, LeverRefused
-from memfit.levers.apply import apply_levers, remove_levers
+from memfit.levers.apply import apply_levers, frozen_levers, remove_levers
+from memfit.levers.frozen import park_frozen, restore_frozen
 from memfit.levers.spec import STATE_LEVERS, allowed_levers
 from memfit.levers.weights import cast_weights, restore_weights
 from memfit.measuring.preserve import create_optimizer_state
@@ -41,6 +44,7 @@ from memfit.stepmodel.with_levers import with_levers
 from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [
+    "frozen_applied",
     "lever_profiles",
     "lever_sets",
     "levers_applied",
@@ -54,6 +58,18 @@ __all__ = [
 
 #: Numeric risk of each state kind (none first).
 _STATE_RISK = {None: 0, "state_bf16": 1, "state_8bit": 2, "state_4bit": 3}
+# Note [NF4 last]
+# A frozen base in bf16 rounds weights that never train (and holds nothing else): it comes
+# right after no lever, before the optimizer state's levers and bf16 weights (which round
+# the trained weights too). In NF4 the base moves by a quantization error of a few percent:
+# the most a lever changes, so frozen_nf4 comes after every set without it, and the planner
+# quantizes the base only when nothing else fits the budget.
+_FROZEN_RISK: dict[tuple[str, ...], int] = {
+    (): 0,
+    ("frozen_bf16",): 1,
+    ("frozen_nf4",): 20,
+    ("frozen_bf16", "frozen_nf4"): 21,
+}
 
 
 def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
@@ -62,17 +78,18 @@ def lever_sets(allowed: Sequence[str]) -> list[list[str]]:
     weights = [False, True] if "weights_bf16" in allowed else [False]
     fused = [False, True] if "fused_step" in allowed else [False]
     heads = [False, True] if "chunked_loss" in allowed else [False]
+    frozen = [f for f in _FROZEN_RISK if set(f) <= set(allowed)]
     sets = []
-    for w in weights:
-        for s in states:
-            for f in fused:
-                for h in heads:
-                    names = {"fused_step"} if f else set()
-                    names |= {s} if s else set()
-                    names |= {"weights_bf16"} if w else set()
-                    names |= {"chunked_loss"} if h else set()
-                    key = (2 * _STATE_RISK[s] + 7 * w, f, h)
-                    sets.append((key, [str(n) for n in LEVERS if n in names]))
+    for w, s, f, h, z in itertools.product(weights, states, fused, heads, frozen):
+        if w and "frozen_bf16" in z:
+            continue  # bf16 weights are bf16 frozen weights too
+        names = {"fused_step"} if f else set()
+        names |= {s} if s else set()
+        names |= {"weights_bf16"} if w else set()
+        names |= {"chunked_loss"} if h else set()
+        names |= set(z)
+        key = (2 * _STATE_RISK[s] + 7 * w + _FROZEN_RISK[z], f, h)
+        sets.append((key, [str(n) for n in LEVERS if n in names]))
     return [names for _, names in sorted(sets, key=lambda kv: kv[0])]
 
 
@@ -80,15 +97,30 @@ def usable_levers(
     profiles: Mapping[str, Profile], allowed: Sequence[str]
 ) -> tuple[list[str], dict[str, str]]:
     """``allowed`` less ``chunked_loss`` where the profiles cannot predict it, with the reason
-    (its head facts say the loss does not go through the model's head, or were not measured)."""
-    if "chunked_loss" not in allowed:
-        return list(allowed), {}
+    (its head facts say the loss does not go through the model's head, or were not measured),
+    and less the frozen-weight levers where the model has no weights they change."""
+    out, refused = list(allowed), _unusable_frozen(profiles, allowed)
+    if "chunked_loss" in allowed:
+        for prof in profiles.values():
+            head = prof.lever_facts.head if prof.lever_facts is not None else None
+            why = "its loss head was not measured" if head is None else head.refused
+            if why:
+                refused["chunked_loss"] = why
+                break
+    return [n for n in out if n not in refused], refused
+
+
+def _unusable_frozen(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> dict[str, str]:
+    """``{lever: why}`` for the frozen-weight levers of ``allowed`` the profiles cannot predict."""
+    refused = {}
     for prof in profiles.values():
-        head = prof.lever_facts.head if prof.lever_facts is not None else None
-        why = "its loss head was not measured" if head is None else head.refused
-        if why:
-            return [n for n in allowed if n != "chunked_loss"], {"chunked_loss": why}
-    return list(allowed), {}
+        frozen = prof.lever_facts.frozen if prof.lever_facts is not None else None
+        for lever in {"frozen_bf16", "frozen_nf4"} & set(allowed):
+            if frozen is None:
+                refused[lever] = "the model has no frozen weights (requires_grad=False)"
+            elif lever == "frozen_nf4" and not frozen.nf4:
+                refused[lever] = "the model has no frozen nn.Linear weight NF4 can hold"
+    return refused
 
 
 def resolve_levers(
@@ -113,11 +145,13 @@ def resolve_levers(
 
 
 def lever_profiles(profiles: Mapping[str, Profile], levers: Sequence[str]) -> dict[str, Profile]:
-    """The profiles a lever set can run at (``weights_bf16`` computes in bf16), levers applied."""
+    """The profiles a lever set can run at (``weights_bf16`` and ``frozen_bf16`` compute in
+    bf16, ``frozen_nf4`` not in fp16), levers applied."""
     return {
         p: with_levers(prof, levers)
         for p, prof in profiles.items()
-        if "weights_bf16" not in levers or p == "bf16"
+        if (not {"weights_bf16", "frozen_bf16"} & set(levers) or p == "bf16")
+        and ("frozen_nf4" not in levers or p != "fp16")
     }
 
 
@@ -129,7 +163,7 @@ def savings(profiles: Mapping[str, Profile], plan: Plan) -> dict[str, int]:
     peak = simulate(chosen, plan.blocks, plan.micro_batches, plan.segments).peak_bytes
     for lever in plan.levers:
         rest = [n for n in plan.levers if n != lever]
-        if "weights_bf16" in rest and base.precision != "bf16":
+        if {"weights_bf16", "frozen_bf16"} & set(rest) and base.precision != "bf16":
             continue
         without = simulate(with_levers(base, rest), plan.blocks, plan.micro_batches, plan.segments)
         out[lever] = without.peak_bytes - peak
@@ -215,6 +249,17 @@ def replan_without(
 
 
 @contextlib.contextmanager
+def frozen_applied(model: nn.Module, levers: Sequence[str]) -> Iterator[None]:
+    """Run the body with the frozen-weight levers of ``levers`` on ``model`` (undone after):
+    a loss to compare with a step of the plan is computed with the same frozen weights."""
+    saved = frozen_levers(model, None, [n for n in levers if n in ("frozen_bf16", "frozen_nf4")])
+    try:
+        yield
+    finally:
+        restore_frozen(saved)
+
+
+@contextlib.contextmanager
 def levers_applied(
     model: nn.Module, optimizer: torch.optim.Optimizer | None, plan: Plan
 ) -> Iterator[torch.optim.Optimizer | None]:
@@ -232,10 +277,16 @@ def levers_applied(
     # is empty, so the user's optimizer and its state are left alone.
     fresh = copy.copy(optimizer)
     fresh.state = collections.defaultdict(dict)
-    used = apply_levers(model, fresh, plan)
+    fresh.param_groups = [dict(g) for g in optimizer.param_groups]
+    frozen = frozen_levers(model, fresh, list(plan.levers))
+    park_frozen(frozen)
     try:
-        create_optimizer_state(model, used)
-        yield used
+        used = apply_levers(model, fresh, plan)
+        try:
+            create_optimizer_state(model, used)
+            yield used
+        finally:
+            remove_levers(model, used)
     finally:
-        remove_levers(model, used)
+        restore_frozen(frozen)
         restore_weights(saved)

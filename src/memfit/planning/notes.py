@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from memfit.levers.frozen import frozen_note
 from memfit.measuring.inplace import inplace_parts
 from memfit.planning.choose import TIE
 from memfit.planning.standard import PREFER_STANDARD, STANDARD_NAMES, standard_name, standard_solutions
@@ -88,6 +89,10 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
             f"{h.chunked.backward_peak_bytes:,} B chunked. The model's output has no logits (None) when it "
             "computes the loss (labels= / targets=); without labels it is unchanged."
         )
+    frozen = head.frozen if head is not None else None
+    note = frozen_note(result.levers, sum(map(sum, frozen.nf4.values())) if frozen is not None else 0)
+    if note is not None:
+        notes.append(note)
     # The profile's notes on in-place writes, for the blocks the plan runs in those modes.
     for note in profiles[result.precision].notes:
         blocks, modes = inplace_parts(note)

@@ -47,6 +47,7 @@ from memfit.planning.budgets import fixed_bytes, held_bytes, refuse_over_room, r
 from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_message, plan_from_profiles
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import (
+    frozen_applied,
     levers_applied,
     plan_with_levers,
     replan_without,
@@ -231,7 +232,7 @@ class _Planner:
         reference = None
         if result.segments and result.micro_batches == 1:
             uncheckpoint(self.model)
-            with torch.no_grad(), prec.autocast():
+            with torch.no_grad(), prec.autocast(), frozen_applied(self.model, result.levers):
                 reference = float(self.loss_fn(self.model, self.batch))
         apply(self.model, result)
         torch.set_rng_state(rng)
@@ -329,7 +330,8 @@ def _chosen(
 ) -> tuple[Plan, dict[str, Profile]]:
     """The fastest plan that fits, with the least risky levers it needs (verified if asked)."""
     allowed = request.levers
-    step = (planner.batch, planner.loss_fn) if "chunked_loss" in allowed else None
+    stepped = {"chunked_loss", "frozen_bf16", "frozen_nf4"} & set(allowed)
+    step = (planner.batch, planner.loss_fn) if stepped else None
     for prof in profs.values() if allowed else []:
         attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model), step)
     allowed, unusable = usable_levers(profs, allowed)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from memfit.records.base import Record
 
-__all__ = ["HeadCost", "HeadFacts", "LeverFacts"]
+__all__ = ["FrozenFacts", "HeadCost", "HeadFacts", "LeverFacts"]
 
 
 @dataclass
@@ -43,6 +43,31 @@ class HeadFacts(Record):
 
 
 @dataclass
+class FrozenFacts(Record):
+    """The frozen weights of a step (``frozen_bf16``, ``frozen_nf4``), counted on the model and
+    measured: :func:`memfit.measuring.lever_facts.frozen_facts`."""
+
+    numel: int = 0
+    """Elements of the frozen floating parameters (what ``frozen_bf16`` casts)."""
+    held_bytes: int = 0
+    """Their bytes as profiled."""
+    nf4: dict[str, list[int]] = field(default_factory=dict)
+    """Per part (a block's name, or ``""`` outside the blocks): elements of each frozen Linear
+    weight ``frozen_nf4`` replaces."""
+    nf4_bytes: int = 0
+    """Bytes of those weights in NF4, from two converted probes (the bytes are linear in the
+    elements: codes, block scales, their scales, the 16-entry table)."""
+    nf4_forward_temp_per_element: float = 0.0
+    """Bytes above the input of one NF4 Linear's forward (its weight dequantized), per element
+    of the weight, measured on a probe (the larger of fp32 and bf16 inputs)."""
+    nf4_backward_temp_per_element: float = 0.0
+    """Same for its backward (the weight dequantized again for the input's gradient)."""
+    saved_delta: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Lever set (``frozen_bf16``, ``frozen_nf4`` or ``frozen_bf16,frozen_nf4``) -> part -> bytes
+    autograd saves in one forward with those levers minus without (mode ``none``, measured)."""
+
+
+@dataclass
 class LeverFacts(Record):
     """The numbers :mod:`memfit.stepmodel.with_levers` turns into a lever set's bytes.
 
@@ -70,6 +95,8 @@ class LeverFacts(Record):
     in bytes per element (measured on a 65,536-element parameter)."""
     head: HeadFacts | None = None
     """The loss head's bytes, plain and chunked (None: not measured; ``chunked_loss`` is not predicted)."""
+    frozen: FrozenFacts | None = None
+    """The frozen weights' facts (None: not measured, or the model has no frozen weights)."""
     step_seconds_per_element: dict[str, float] = field(default_factory=dict)
     """Same keys: seconds of one parameter's step per element (median of 3 eager steps; torchao
     compiles its step in training, so for its kinds an upper bound)."""

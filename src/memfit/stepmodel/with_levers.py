@@ -22,6 +22,12 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
   profile (an estimate), parameters and gradients are halved and activations kept, an
   upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
+- ``frozen_bf16`` / ``frozen_nf4``: the frozen weights' bytes from their counts and NF4's
+  measured bytes; what autograd saves moves by the measured difference (mode ``none``; the
+  checkpointed modes keep theirs, an upper bound); every part's forward and backward peaks
+  grow by its largest NF4 weight's measured dequantization temporaries
+  (:class:`memfit.records.lever_facts.FrozenFacts`; See Note [the frozen weights measured]
+  in :mod:`memfit.measuring.lever_facts`).
 
 Example:
     >>> from memfit.records import BlockStats, LeverFacts, Profile
@@ -167,6 +173,8 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
             out.step_seconds = max(0.0, profile.step_seconds + (new - old) * sum(numels))
     if "chunked_loss" in names:
         _chunked_head(out, facts)
+    if "frozen_bf16" in names or "frozen_nf4" in names:
+        _frozen(out, facts, names)
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
@@ -200,6 +208,50 @@ def _chunked_head(out: Profile, facts: LeverFacts) -> None:
         f"chunked_loss: the loss head in chunks of {head.chunk_tokens} tokens; the model's output has "
         "no logits when it computes the loss.",
     ]
+
+
+def _frozen(out: Profile, facts: LeverFacts, names: Sequence[str]) -> None:
+    """``out`` with the frozen weights in bf16 and/or NF4 (in place)."""
+    fz = facts.frozen
+    if fz is None:
+        raise ConfigError(
+            "frozen_bf16 and frozen_nf4 cannot be predicted: this profile has no frozen-weight facts "
+            "(the model has no frozen weights, or they were not measured); plan with the lever again."
+        )
+    nf4 = "frozen_nf4" in names
+    if nf4 and not fz.nf4:
+        raise ConfigError(
+            "frozen_nf4 cannot be predicted: this model has no frozen Linear weight to quantize."
+        )
+    per = 2.0 if "weights_bf16" in names else fz.held_bytes / max(1, fz.numel)
+    quantized = sum(n for ns in fz.nf4.values() for n in ns) if nf4 else 0
+    after = 2.0 if "frozen_bf16" in names else per
+    out.param_bytes += round((fz.numel - quantized) * (after - per) - quantized * per) + (
+        fz.nf4_bytes if nf4 else 0
+    )
+    delta = fz.saved_delta.get(",".join(n for n in ("frozen_bf16", "frozen_nf4") if n in names), {})
+    parts = {b.name: b for b in out.blocks}
+    for name, d in delta.items():
+        part = parts.get(name, out.outside) if name else out.outside
+        if "none" in part.saved_bytes:
+            part.saved_bytes["none"] = max(0, part.saved_bytes["none"] + d)
+            if part is not out.outside:
+                part.held_bytes["none"] = max(0, part.held_bytes.get("none", 0) + d)
+                peak = part.forward_peak_bytes.get("none", 0) + d
+                part.forward_peak_bytes["none"] = max(part.held_bytes["none"], peak)
+    out.activation_bytes = max(0, out.activation_bytes + sum(delta.values()))
+    for name, ns in fz.nf4.items() if nf4 else []:
+        part = parts.get(name, out.outside) if name else out.outside
+        fwd, bwd = (
+            round(max(ns) * fz.nf4_forward_temp_per_element),
+            round(max(ns) * fz.nf4_backward_temp_per_element),
+        )
+        part.forward_peak_bytes = {m: v + fwd for m, v in part.forward_peak_bytes.items()}
+        part.backward_peak_bytes = {m: v + bwd for m, v in part.backward_peak_bytes.items()}
+    what = "frozen weights in bf16" if "frozen_bf16" in names else ""
+    if nf4:
+        what = f"frozen Linear weights in NF4 ({quantized:,} values){', the rest ' + what if what else ''}"
+    out.notes = [*out.notes, f"{what}; embeddings, norms and the output head are not quantized."]
 
 
 def profile_grad(profile: Profile, name: str) -> int:
