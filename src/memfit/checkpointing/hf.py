@@ -27,7 +27,13 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["hf_block_classes", "hf_checkpointing_active", "is_hf_cache", "without_caches"]
+__all__ = [
+    "hf_block_classes",
+    "hf_checkpointing_active",
+    "is_hf_cache",
+    "peft_method_through_cache",
+    "without_caches",
+]
 
 #: Keyword arguments through which Hugging Face blocks receive a cache they append to
 #: (decoders' key/value caches; ``cache_params`` is the state-space models' cache).
@@ -111,3 +117,27 @@ def hf_checkpointing_active(model: nn.Module) -> bool:
 def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:
     """Classes in ``model`` that Hugging Face checkpoints itself (``GradientCheckpointingLayer``)."""
     return {type(m) for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")}
+
+
+#: peft methods whose trained part reaches every layer through the cache (``past_key_values``).
+_THROUGH_THE_CACHE = ("PREFIX_TUNING",)
+
+
+def peft_method_through_cache(model: nn.Module) -> str:
+    """The peft method of ``model`` that hands its layers their prefix in the cache, or ``""``.
+
+    A checkpointed layer runs with its cache turned off (see :func:`without_caches`), so such
+    a method's prefix would not reach it: peft's prefix tuning cannot be checkpointed.
+
+    Example:
+        >>> peft_method_through_cache(nn.Linear(2, 2))
+        ''
+    """
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return ""
+    for config in configs.values():
+        kind = str(getattr(getattr(config, "peft_type", None), "value", ""))
+        if kind in _THROUGH_THE_CACHE:
+            return kind.lower().replace("_", " ")
+    return ""
