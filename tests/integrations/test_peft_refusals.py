@@ -1,6 +1,7 @@
 """Adapters memfit cannot take are refused in one sentence that names the fix, with nothing applied:
-peft missing for ``[model.lora]`` (exit 2 at the CLI), and peft's prefix tuning, whose prefix
-reaches every layer through the cache a checkpointed layer runs without."""
+peft missing for ``[model.lora]`` (exit 2 at the CLI); peft's prefix tuning, whose prefix reaches
+every layer through the cache a checkpointed layer runs without; and activated LoRA, whose
+offsets come from hooks that are gone when a checkpointed layer recomputes (peft issue 2826)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_lora_without_peft_names_the_extra(capsys: pytest.CaptureFixture[str]) -
     assert "pip install 'memfit[peft]'" in err and "Traceback" not in err
 
 
-def _prefix_tuned() -> torch.nn.Module:
+def _llama_with(method: str) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -36,20 +37,29 @@ def _prefix_tuned() -> torch.nn.Module:
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=0,
     )  # fmt: skip
-    prefix = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
-    return peft.get_peft_model(transformers.LlamaForCausalLM(config), prefix)
+    if method == "prefix":
+        adapters: object = peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+    else:  # activated LoRA: adapters act after the invocation token (peft issue 2826)
+        adapters = peft.LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"],
+                                   alora_invocation_tokens=[7])  # fmt: skip
+    return peft.get_peft_model(transformers.LlamaForCausalLM(config), adapters)
 
 
-def test_prefix_tuning_is_refused_before_anything_is_checkpointed() -> None:
-    model = _prefix_tuned()
-    x = torch.randint(0, 96, (4, 16))
+REFUSED = {
+    "prefix": r"peft's prefix tuning hands every layer its prefix through the model's cache.*LoRA, DoRA",
+    "alora": r"peft's activated LoRA \(alora_invocation_tokens\) hands each adapter its offsets through",
+}
+
+
+@pytest.mark.parametrize("method", list(REFUSED))
+def test_methods_a_recompute_cannot_replay_are_refused_before_anything_is_checkpointed(method: str) -> None:
+    model = _llama_with(method)
+    x = torch.randint(1, 96, (4, 16))
+    x[:, 4] = 7  # the invocation token
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
-    said = (
-        r"peft's prefix tuning hands every layer its prefix through the model's cache.*LoRA, DoRA or prompt"
-    )
-    with pytest.raises(ConfigError, match=said):
+    with pytest.raises(ConfigError, match=REFUSED[method]):
         memfit.checkpoint(model, mode="full")
-    with pytest.raises(ConfigError, match=said):
+    with pytest.raises(ConfigError, match=REFUSED[method]):
         memfit.plan(model, x, lambda m, b: m(input_ids=b, labels=b).loss, "50%", opt, "fp32")
     assert checkpointed_blocks(model) == {}
     # and without checkpointing it trains as peft made it

@@ -31,7 +31,7 @@ __all__ = [
     "hf_block_classes",
     "hf_checkpointing_active",
     "is_hf_cache",
-    "peft_method_through_cache",
+    "peft_not_recomputable",
     "without_caches",
 ]
 
@@ -119,18 +119,20 @@ def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:
     return {type(m) for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")}
 
 
-#: peft methods whose trained part reaches every layer through the cache (``past_key_values``).
-_THROUGH_THE_CACHE = ("PREFIX_TUNING",)
+#: peft methods whose trained prefix reaches every layer through the cache (``past_key_values``).
+_THROUGH_THE_CACHE = ("PREFIX_TUNING", "CARTRIDGE")
 
 
-def peft_method_through_cache(model: nn.Module) -> str:
-    """The peft method of ``model`` that hands its layers their prefix in the cache, or ``""``.
+def peft_not_recomputable(model: nn.Module) -> str:
+    """Why the peft method on ``model`` cannot run again in a checkpointed layer's recompute, or ``""``.
 
-    A checkpointed layer runs with its cache turned off (see :func:`without_caches`), so such
-    a method's prefix would not reach it: peft's prefix tuning cannot be checkpointed.
+    A checkpointed layer runs with its cache turned off (see :func:`without_caches`), so a
+    prefix handed over in the cache would not reach it (peft's prefix tuning); and a
+    recompute runs after the model's forward has returned, when hooks that peft registers
+    only for that forward are gone (activated LoRA's offsets, peft issue 2826).
 
     Example:
-        >>> peft_method_through_cache(nn.Linear(2, 2))
+        >>> peft_not_recomputable(nn.Linear(2, 2))
         ''
     """
     configs = getattr(model, "peft_config", None)
@@ -139,5 +141,15 @@ def peft_method_through_cache(model: nn.Module) -> str:
     for config in configs.values():
         kind = str(getattr(getattr(config, "peft_type", None), "value", ""))
         if kind in _THROUGH_THE_CACHE:
-            return kind.lower().replace("_", " ")
+            name = kind.lower().replace("_", " ")
+            return (
+                f"peft's {name} hands every layer its prefix through the model's cache, which a checkpointed "
+                "layer runs without"
+            )
+        if getattr(config, "alora_invocation_tokens", None):
+            return (
+                "peft's activated LoRA (alora_invocation_tokens) hands each adapter its offsets through "
+                "hooks that exist only while the model's forward runs, not while a checkpointed layer "
+                "recomputes"
+            )
     return ""

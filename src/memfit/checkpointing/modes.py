@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.checkpointing.blocks import resolve_blocks
-from memfit.checkpointing.hf import hf_checkpointing_active, peft_method_through_cache, without_caches
+from memfit.checkpointing.hf import hf_checkpointing_active, peft_not_recomputable, without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
 from memfit.checkpointing.policy import keep_running_stats, selective_policy
 from memfit.checkpointing.recompute import run_checkpointed
@@ -112,7 +112,7 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
 
     Raises:
         ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``, or it is
-            a peft model whose method reaches its layers through the cache.
+            a peft model whose method cannot run again in a recompute (prefix tuning, activated LoRA).
     """
     if hf_checkpointing_active(model):
         raise ConfigError(
@@ -121,11 +121,10 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
             "model.gradient_checkpointing_disable() to let memfit choose per block, or keep "
             "Hugging Face's and do not call memfit.checkpoint / memfit.apply."
         )
-    method = peft_method_through_cache(model)
-    if method:
+    why = peft_not_recomputable(model)
+    if why:
         raise ConfigError(
-            f"peft's {method} hands every layer its prefix through the model's cache, which a checkpointed "
-            "layer runs without, so memfit cannot checkpoint this model: train it without checkpointing "
+            f"{why}, so memfit cannot checkpoint this model: train it without checkpointing "
             '(memory.checkpointing = "none"), or use LoRA, DoRA or prompt tuning, whose layers recompute.'
         )
 
