@@ -7,16 +7,20 @@ This module only builds adapters from settings and says, in one sentence, what i
 when peft is not installed or a model cannot take them.
 
 Trade-off: peft injects its layers into the base model in place; :func:`add_adapters`
-checks what it can before peft touches the model (the targets exist), so a refusal leaves
-the model as it was.
+checks what it can before peft touches the model (the method, that the targets exist), so
+those refusals leave the model as it was.
 
 Example (with ``peft`` installed; the tests run it in ``.venv-extras``):
     ``model = add_adapters(build_hf_causal_lm("llama"), rank=8, target_modules=["q_proj", "v_proj"])``
-    trains only ``lora_A`` / ``lora_B``. Without peft, the sentence names the extra:
+    trains only ``lora_A`` / ``lora_B``. A target the model lacks is refused before peft
+    touches it:
 
     >>> from torch import nn
-    >>> has_adapters(nn.Linear(2, 2))
-    False
+    >>> try:
+    ...     add_adapters(nn.Sequential(nn.Linear(2, 2)), rank=2, target_modules=["q_proj"])
+    ... except ConfigError as exc:
+    ...     print(str(exc).split(";")[0])
+    the model has no module named 'q_proj' to put adapters on
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from torch import nn
 
 from memfit.errors import ConfigError
 
-__all__ = ["ADAPTER_METHODS", "add_adapters", "has_adapters", "require_peft"]
+__all__ = ["ADAPTER_METHODS", "add_adapters", "require_peft"]
 
 #: The adapter methods :func:`add_adapters` builds (DoRA: peft's weight-decomposed LoRA).
 ADAPTER_METHODS = ("lora", "dora")
@@ -41,11 +45,6 @@ def require_peft() -> Any:
     except ImportError:
         raise ConfigError("LoRA adapters need the peft package: pip install 'memfit[peft]'.") from None
     return peft
-
-
-def has_adapters(model: nn.Module) -> bool:
-    """True when ``model`` is a ``peft.PeftModel`` (without importing peft)."""
-    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft") for c in type(model).__mro__)
 
 
 def _missing_targets(model: nn.Module, targets: Sequence[str]) -> list[str]:
@@ -80,7 +79,6 @@ def add_adapters(
         ConfigError: peft is not installed, a target is not a module of the model, or peft
             cannot adapt the model (one sentence naming the setting that fixes it).
     """
-    peft = require_peft()
     if method not in ADAPTER_METHODS:
         raise ConfigError(f"adapter method {method!r} is not one of {', '.join(ADAPTER_METHODS)}.")
     missing = _missing_targets(model, target_modules)
@@ -89,6 +87,7 @@ def add_adapters(
             f"the model has no module named {missing[0]!r} to put adapters on; set lora.target_modules to "
             f"names of its Linear layers (such as {_linear_examples(model)})."
         )
+    peft = require_peft()
     config = peft.LoraConfig(
         r=rank,
         lora_alpha=alpha,
