@@ -6,6 +6,7 @@ A model is the built-in GPT, a Hugging Face architecture built from its config
 with ``model.kwargs`` and returns either an ``nn.Module`` that maps ``(B, T)`` byte tokens
 to ``(B, T, V)`` logits (it then trains on the text corpus like the GPT), or a
 :class:`~memfit.models.spec.ModelSpec` that brings its own loss function and batches.
+``[model.lora]`` wraps any of them with peft adapters (docs/lora.md).
 
 Example:
     >>> from memfit.app.config import load_config
@@ -48,7 +49,25 @@ def load_factory(target: str) -> Callable[..., Any]:
 
 
 def build_model(cfg: ModelConfig) -> ModelSpec:
-    """Build a fresh model from its config (the caller seeds torch first)."""
+    """Build a fresh model from its config (the caller seeds torch first), with the adapters of
+    ``[model.lora]`` when its rank is set (:func:`memfit.integrations.peft.add_adapters`)."""
+    spec = _base_model(cfg)
+    lora = cfg.lora
+    if lora.rank > 0:
+        from memfit.integrations.peft import add_adapters
+
+        spec.model = add_adapters(
+            spec.model,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            method=lora.method,
+        )
+    return spec
+
+
+def _base_model(cfg: ModelConfig) -> ModelSpec:
     if cfg.name == "gpt":
         try:
             gcfg = GPTConfig(

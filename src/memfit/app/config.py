@@ -48,6 +48,7 @@ from memfit.vocab import (
 __all__ = [
     "Config",
     "DataConfig",
+    "LoraConfig",
     "MemoryConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -66,6 +67,33 @@ _MAX_INT = 2**63 - 1
 MAX_CONFIG_BYTES = 4 * 2**20
 #: The deepest nesting of tables and arrays a config may hold (``[[[...]]]``).
 MAX_DEPTH = 32
+
+
+#: How ``[model.lora]`` may store the frozen base, and the lever that stores it so.
+# Note [the frozen base's storage]
+# "fp32" keeps the base as built. A bf16 or 4-bit (NF4, QLoRA) base is a lever of the
+# planner (the frozen-weights levers); each value added here names its lever, which
+# memfit train then asks memfit.plan for.
+FROZEN_BASES: dict[str, str] = {"fp32": ""}
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """Adapters on the model (peft's LoRA or DoRA): only they train, the base stays frozen."""
+
+    rank: int = 0
+    """LoRA rank r; 0: no adapters (the whole model trains)."""
+    alpha: float = 16.0
+    """LoRA scaling: the adapters' update is scaled by alpha / rank."""
+    target_modules: list[str] = field(default_factory=list)
+    """Names (or name suffixes) of the Linear layers to adapt; empty: peft's default for a Hugging Face
+    architecture (q_proj and v_proj for Llama)."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    method: str = "lora"
+    """``"lora"`` or ``"dora"`` (weight-decomposed LoRA)."""
+    base: str = "fp32"
+    """How the frozen base weights are stored: ``"fp32"`` (as built); see Note [the frozen base's storage]."""
 
 
 @dataclass(kw_only=True)
@@ -88,6 +116,8 @@ class ModelConfig:
     """Built-in GPT: MLP hidden width as a multiple of n_embd."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to an imported factory."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """``[model.lora]``: adapters to train instead of the whole model (docs/lora.md)."""
 
 
 @dataclass(kw_only=True)
@@ -262,6 +292,7 @@ def validate_config(cfg: Config) -> None:
             f"optimizer.schedule {shown(cfg.optimizer.schedule)} is not one of {', '.join(SCHEDULES)}."
         )
     _memory(cfg.memory)
+    _lora(cfg.model)
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
         raise ConfigError(
             f"model.name {shown(cfg.model.name)} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "
@@ -300,6 +331,29 @@ def _memory(mem: MemoryConfig) -> None:
     if mem.on_overflow not in GUARD_ACTIONS:
         raise ConfigError(
             f"memory.on_overflow {shown(mem.on_overflow)} is not one of {', '.join(GUARD_ACTIONS)}."
+        )
+
+
+def _lora(model: ModelConfig) -> None:
+    """The ``[model.lora]`` table's rules."""
+    lora = model.lora
+    if lora.rank < 0:
+        raise ConfigError(f"model.lora.rank must be 0 (no adapters) or more, got {shown(lora.rank)}.")
+    if lora.rank == 0:
+        return
+    _finite("model.lora.alpha", lora.alpha, 0.0, strict=True)
+    _finite("model.lora.dropout", lora.dropout, 0.0, high=1.0)
+    if lora.method not in ("lora", "dora"):
+        raise ConfigError(f"model.lora.method {shown(lora.method)} is not one of lora, dora.")
+    if lora.base not in FROZEN_BASES:
+        raise ConfigError(
+            f"model.lora.base {shown(lora.base)} is not one this memfit stores the frozen base in "
+            f'({", ".join(FROZEN_BASES)}); set model.lora.base = "fp32".'
+        )
+    if model.name == "gpt" and not lora.target_modules:
+        raise ConfigError(
+            "model.lora.target_modules is empty, and peft has no default for the built-in GPT; name its "
+            'Linear layers, e.g. target_modules = ["qkv", "proj"].'
         )
 
 
@@ -351,6 +405,8 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Check ``value`` against the field type; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _table(key, tp, value)
     if origin in (typing.Union, types.UnionType):
         for arg in typing.get_args(tp):
             try:
@@ -409,6 +465,11 @@ def _set(tree: dict[str, Any], key: str, value: Any) -> None:
                 "to it; drop the other model.kwargs setting or make it a table."
             )
         kwargs[arg] = value
+    elif section == "model" and name.startswith("lora."):
+        lora = tree[section].setdefault("lora", {})
+        if not isinstance(lora, dict):
+            raise ConfigError(f"model.lora is {shown(lora)}, not a table, so --set {key}=... cannot set it.")
+        lora[name.split(".", 1)[1]] = value
     else:
         tree[section][name] = value
 
@@ -422,6 +483,25 @@ def _budget_text(value: Any) -> Any:
     return str(value) if isinstance(value, int) else format(value, "f")
 
 
+def _table(where: str, cls: Any, values: Any) -> Any:
+    """One section (or nested table, ``model.lora``) built from its values, each key checked."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"config section {shown(where)} must be a table, got {shown(values)}.")
+    field_types = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{where}.{name}"
+        if name not in field_types:
+            valid = [f"{where}.{n}" for n in field_types]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean {shown(close[0])}?)" if close else f"; valid keys: {', '.join(valid)}"
+            raise ConfigError(f"unknown config key {shown(key)}{hint}.")
+        if key == "memory.budget":
+            value = _budget_text(value)
+        kwargs[name] = _coerce(key, field_types[name], value)
+    return cls(**kwargs)
+
+
 def _build(tree: dict[str, Any]) -> Config:
     sections = {f.name: f for f in dataclasses.fields(Config)}
     hints = typing.get_type_hints(Config)
@@ -431,22 +511,7 @@ def _build(tree: dict[str, Any]) -> Config:
             close = difflib.get_close_matches(section, list(sections), n=1)
             hint = f" (did you mean {shown(close[0])}?)" if close else f"; sections are {', '.join(sections)}"
             raise ConfigError(f"unknown config section {shown(section)}{hint}.")
-        if not isinstance(values, dict):
-            raise ConfigError(f"config section {shown(section)} must be a table, got {shown(values)}.")
-        cls = hints[section]
-        field_types = typing.get_type_hints(cls)
-        kwargs = {}
-        for name, value in values.items():
-            key = f"{section}.{name}"
-            if name not in field_types:
-                valid = [f"{section}.{n}" for n in field_types]
-                close = difflib.get_close_matches(key, valid, n=1)
-                hint = f" (did you mean {shown(close[0])}?)" if close else f"; valid keys: {', '.join(valid)}"
-                raise ConfigError(f"unknown config key {shown(key)}{hint}.")
-            if key == "memory.budget":
-                value = _budget_text(value)
-            kwargs[name] = _coerce(key, field_types[name], value)
-        built[section] = cls(**kwargs)
+        built[section] = _table(section, hints[section], values)
     return Config(**built)
 
 

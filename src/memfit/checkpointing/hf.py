@@ -27,7 +27,13 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["hf_block_classes", "hf_checkpointing_active", "is_hf_cache", "without_caches"]
+__all__ = [
+    "hf_block_classes",
+    "hf_checkpointing_active",
+    "is_hf_cache",
+    "peft_not_recomputable",
+    "without_caches",
+]
 
 #: Keyword arguments through which Hugging Face blocks receive a cache they append to
 #: (decoders' key/value caches; ``cache_params`` is the state-space models' cache).
@@ -111,3 +117,39 @@ def hf_checkpointing_active(model: nn.Module) -> bool:
 def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:
     """Classes in ``model`` that Hugging Face checkpoints itself (``GradientCheckpointingLayer``)."""
     return {type(m) for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")}
+
+
+#: peft methods whose trained prefix reaches every layer through the cache (``past_key_values``).
+_THROUGH_THE_CACHE = ("PREFIX_TUNING", "CARTRIDGE")
+
+
+def peft_not_recomputable(model: nn.Module) -> str:
+    """Why the peft method on ``model`` cannot run again in a checkpointed layer's recompute, or ``""``.
+
+    A checkpointed layer runs with its cache turned off (see :func:`without_caches`), so a
+    prefix handed over in the cache would not reach it (peft's prefix tuning); and a
+    recompute runs after the model's forward has returned, when hooks that peft registers
+    only for that forward are gone (activated LoRA's offsets, peft issue 2826).
+
+    Example:
+        >>> peft_not_recomputable(nn.Linear(2, 2))
+        ''
+    """
+    configs = getattr(model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return ""
+    for config in configs.values():
+        kind = str(getattr(getattr(config, "peft_type", None), "value", ""))
+        if kind in _THROUGH_THE_CACHE:
+            name = kind.lower().replace("_", " ")
+            return (
+                f"peft's {name} hands every layer its prefix through the model's cache, which a checkpointed "
+                "layer runs without"
+            )
+        if getattr(config, "alora_invocation_tokens", None):
+            return (
+                "peft's activated LoRA (alora_invocation_tokens) hands each adapter its offsets through "
+                "hooks that exist only while the model's forward runs, not while a checkpointed layer "
+                "recomputes"
+            )
+    return ""

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.checkpointing.blocks import resolve_blocks
-from memfit.checkpointing.hf import hf_checkpointing_active, without_caches
+from memfit.checkpointing.hf import hf_checkpointing_active, peft_not_recomputable, without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
 from memfit.checkpointing.policy import keep_running_stats, selective_policy
 from memfit.checkpointing.recompute import run_checkpointed
@@ -107,10 +107,12 @@ def _with(outer: Any, inner: Any) -> Iterator[None]:
 
 
 def refuse_double_checkpointing(model: nn.Module) -> None:
-    """Raise if Hugging Face's own checkpointing is on: memfit does not checkpoint twice.
+    """Raise if Hugging Face's own checkpointing is on (memfit does not checkpoint twice), or if
+    the model's blocks cannot be recomputed as they ran (peft's prefix tuning).
 
     Raises:
-        ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``.
+        ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``, or it is
+            a peft model whose method cannot run again in a recompute (prefix tuning, activated LoRA).
     """
     if hf_checkpointing_active(model):
         raise ConfigError(
@@ -118,6 +120,12 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
             "so memfit will not checkpoint its blocks a second time: call "
             "model.gradient_checkpointing_disable() to let memfit choose per block, or keep "
             "Hugging Face's and do not call memfit.checkpoint / memfit.apply."
+        )
+    why = peft_not_recomputable(model)
+    if why:
+        raise ConfigError(
+            f"{why}, so memfit cannot checkpoint this model: train it without checkpointing "
+            '(memory.checkpointing = "none"), or use LoRA, DoRA or prompt tuning, whose layers recompute.'
         )
 
 

@@ -1,0 +1,130 @@
+"""The PEFT zoo: every checkpointing and planning promise, on adapter models as users make them.
+
+For each model of :mod:`zoo_peft` (``peft.get_peft_model`` on a Hugging Face model, adapter
+dropout on, nothing called first):
+
+- the blocks found are the expected list, under the PeftModel's own names;
+- ``full``, ``selective`` and ``every=2`` give the plain model's loss and adapter gradients
+  (the recompute replays the adapters' dropout masks), and the frozen base gets no gradient;
+- plans at 50% and 25% of the plain peak measure at or under the budget and within 5% of
+  their prediction, and training under one leaves the frozen base bit for bit unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from typing import Any
+
+import pytest
+import torch
+from zoo import Entry
+from zoo_peft import PEFT
+
+import memfit
+from memfit.checkpointing import checkpointed_blocks
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: Checkpointed and plain steps run the same fp32 kernels; a recompute may reorder reductions.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+#: How far a plan's measured peak may be from its prediction.
+PREDICTION = 0.05
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {"mode": "full"},
+    "selective": {"mode": "selective"},
+    "every2": {"mode": "full", "every": 2},
+}
+ENTRIES = [pytest.param(e, id=e.name) for e in PEFT]
+
+
+def _step(model: torch.nn.Module, entry: Entry, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and parameter gradients after one forward/backward from a fixed seed."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)  # dropout masks (the adapters' and the model's): the recompute replays them
+    loss = entry.loss(model, batch)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+@functools.cache
+def _reference(name: str) -> tuple[torch.nn.Module, Any, tuple[Any, ...]]:
+    entry = next(e for e in PEFT if e.name == name)
+    model = entry.build()
+    fresh = copy.deepcopy(model)
+    batch = entry.batch(entry.small)
+    return fresh, batch, _step(model, entry, batch)
+
+
+def _trainable(model: torch.nn.Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_blocks_found(entry: Entry) -> None:
+    assert memfit.find_blocks(entry.build()) == entry.blocks
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_checkpointing_is_exact_with_adapter_dropout(entry: Entry, variant: str) -> None:
+    fresh, batch, (ref_loss, ref_grads) = _reference(entry.name)
+    model = copy.deepcopy(fresh)
+    keys = list(model.state_dict())
+    memfit.checkpoint(model, **VARIANTS[variant])
+    assert checkpointed_blocks(model), "nothing was checkpointed"
+    assert list(model.state_dict()) == keys
+    loss, grads = _step(model, entry, batch)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    # only the adapters get gradients, checkpointed or not
+    assert grads.keys() == ref_grads.keys() == _trainable(model)
+    assert all("lora_" in n or "ia3_" in n for n in grads), sorted(grads)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, n=name: f"grad {n}: {m}")
+    memfit.uncheckpoint(model)
+    assert list(model.state_dict()) == keys
+
+
+@pytest.mark.parametrize("fraction", [0.5, 0.25])
+@pytest.mark.parametrize("entry", ENTRIES)
+def test_plans_at_a_fraction_of_the_plain_peak_hold(entry: Entry, fraction: float) -> None:
+    model = entry.build()
+    batch = entry.batch(entry.large)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    prof = memfit.profile(model, batch, entry.loss, opt, "fp32", repeats=1)
+    keep = prof.measured_peak_bytes
+    # no gradients or optimizer state for the frozen base: only the adapters' bytes
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adapters = sum(p.numel() * p.element_size() for p in trainable)
+    # AdamW: two moments per adapter value and a float32 step counter per adapter tensor
+    assert prof.grad_bytes == adapters and prof.optimizer_bytes == 2 * adapters + 4 * len(trainable)
+    budget = int(fraction * keep)
+    plan = memfit.plan(model, batch, entry.loss, budget, opt, "fp32", profiles={"fp32": prof}, check=False)
+    memfit.apply(model, plan)
+    micro = plan.micro_batches
+    measured = memfit.measure(model, batch, entry.loss, opt, "fp32", steps=1, micro_batches=micro)
+    assert measured.peak_bytes <= budget, (plan.blocks, plan.micro_batches, plan.predicted_peak_bytes)
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= PREDICTION * plan.predicted_peak_bytes
+
+
+@pytest.mark.parametrize("entry", [ENTRIES[0], ENTRIES[-1]])
+def test_training_under_a_plan_leaves_the_frozen_base_unchanged(entry: Entry) -> None:
+    model = entry.build()
+    batch = entry.batch(8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    plan = memfit.plan(model, batch, entry.loss, "50%", opt, "fp32", check=False)
+    model, opt = memfit.prepare(model, opt, plan)
+    losses = [memfit.train_step(model, batch, entry.loss, opt, plan) for _ in range(3)]
+    assert all(torch.isfinite(torch.tensor(losses)))
+    trainable = _trainable(model)
+    for name, p in model.named_parameters():
+        if name in trainable:
+            continue
+        assert torch.equal(p.detach(), before[name]), f"frozen {name} changed"
+    # peft starts lora_B at zero; the adapters did train
+    assert any(not torch.equal(dict(model.named_parameters())[n].detach(), before[n]) for n in trainable)
