@@ -82,19 +82,21 @@ _INCEPTION3 = ["Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a", "Mixed_6b", "Mixe
 _GOOGLENET = [f"inception{s}" for s in ("3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b")]
 
 BLOCKS3: list[Entry] = [
-    Entry("timm/ghostnet_050", _timm("ghostnet_050"), _ce, _images(32), _ghostnet(),
+    Entry("timm/ghostnet_050", _timm("ghostnet_050"), _ce, _images(64), _ghostnet(),
           covers="a residual bottleneck of two ghost modules and a shortcut: a block, not a stage"),
-    Entry("timm/efficientvit_b0", _timm("efficientvit_b0"), _ce, _images(32),
+    Entry("timm/efficientvit_b0", _timm("efficientvit_b0"), _ce, _images(64),
           _per_stage("stages.{}.blocks.{}", (2, 2, 3, 3)),
           covers="a block of two residual units (context, local); down-sampling block first in a stage; "
                  "a stem with a residual unit, not a block"),
-    Entry("timm/mobileone_s0", _timm("mobileone_s0"), _ce, _images(32),
+    Entry("timm/mobileone_s0", _timm("mobileone_s0"), _ce, _images(64),
           ["stem", *_per_stage("stages.{}.{}", (4, 16, 20, 2))],
           covers="parallel conv branches in a ModuleList, summed with an identity: one block"),
-    Entry("timm/edgenext_xx_small", _timm("edgenext_xx_small"), _ce, _images(32),
+    Entry("timm/edgenext_xx_small", _timm("edgenext_xx_small"), _ce, _images(64),
           _per_stage("stages.{}.blocks.{}", (2, 2, 6, 2)),
           covers="a transposed-attention block once per stage, after the conv blocks"),
-    Entry("torchvision/inception_v3", _tv("inception_v3"), _ce_with_aux, _images(75), _INCEPTION3,
+    # 75x75 is Inception-v3's smallest input without its auxiliary classifier; with it (the
+    # default), the classifier's 5x5 pooling needs a 17x17 map: 299x299 images.
+    Entry("torchvision/inception_v3", _tv("inception_v3"), _ce_with_aux, _images(299), _INCEPTION3, large=4,
           covers="reduction blocks once between runs; an auxiliary classifier off the chain"),
     Entry("torchvision/googlenet", _tv("googlenet"), _ce_with_aux, _images(64), _GOOGLENET,
           covers="two auxiliary classifiers side by side as attributes: heads, not blocks"),
