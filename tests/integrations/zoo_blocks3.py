@@ -100,6 +100,6 @@ BLOCKS3: list[Entry] = [
           covers="reduction blocks once between runs; an auxiliary classifier off the chain"),
     Entry("torchvision/googlenet", _tv("googlenet"), _ce_with_aux, _images(64), _GOOGLENET,
           covers="two auxiliary classifiers side by side as attributes: heads, not blocks"),
-    Entry("timm/hrnet_w18_small", _timm("hrnet_w18_small"), _ce, _images(64), _hrnet(),
+    Entry("timm/hrnet_w18_small", _timm("hrnet_w18_small"), _ce, _images(64), _hrnet(), large=32,
           covers="residual units inside parallel branches and single-block containers; list inputs"),
 ]  # fmt: skip

@@ -93,6 +93,8 @@ class _Residual:
             receiver = func.value if isinstance(func, ast.Attribute) else None
             if isinstance(receiver, ast.Name) and any(self.uses(a) for a in call.args):
                 self.tainted.add(receiver.id)
+        elif isinstance(stmt, ast.For) and isinstance(stmt.target, ast.Name) and self.uses(stmt.iter):
+            self.tainted.add(stmt.target.id)  # ``for chunk in x.chunk(2)``
         for field in ("body", "orelse", "finalbody"):
             inner = getattr(stmt, field, None)
             if isinstance(inner, list) and inner and isinstance(inner[0], ast.stmt):
