@@ -234,7 +234,7 @@ def test_a_block_of_two_residual_units_is_one_block_and_the_stem_is_not_one() ->
     expected = [f"stages.{s}.blocks.{i}" for s, d in enumerate((2, 3, 3)) for i in range(d)]
     assert memfit.find_blocks(model) == expected
     reasons = block_reasons(model)
-    assert reasons["stages.0.blocks.0"].startswith("once in stages.0.blocks")  # no repeated block there
+    assert reasons["stages.0.blocks.0"].startswith("in stages.0.blocks, the place of the repeated blocks")
     assert "ContextLocalBlock" in reasons["stages.1.blocks.1"]
 
 
@@ -331,7 +331,8 @@ def test_a_block_type_once_per_stage_is_a_block() -> None:
     assert model(torch.randn(1, 3, 8, 8)).shape == (1, CLASSES)
     expected = [f"stages.{s}.blocks.{i}" for s, d in enumerate((3, 2, 6)) for i in range(d)]
     assert memfit.find_blocks(model) == expected
-    assert block_reasons(model)["stages.1.blocks.1"] == "once in stages.1.blocks, beside its repeated blocks"
+    why = "in stages.1.blocks beside its repeated blocks (a block type once per stage)"
+    assert block_reasons(model)["stages.1.blocks.1"] == why
 
 
 # --- Inception-v3 and GoogLeNet: reduction blocks once; auxiliary classifiers never ---------

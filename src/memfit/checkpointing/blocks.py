@@ -296,7 +296,11 @@ def _siblings(tree: _Tree, blocks: list[tuple[str, nn.Module]]) -> dict[str, str
                 container = m.get_submodule(rel)
             except AttributeError:
                 continue
-            where = ".".join(p for p in (prefix, rel) if p)
+            where = ".".join(p for p in (prefix, rel) if p) or "the model"
+            if any(id(c) in found for c in container.children()):
+                why = f"in {where} beside its repeated blocks (a block type once per stage)"
+            else:
+                why = f"in {where}, the place of the repeated blocks in other {cls.__name__} modules"
             for child, c in container.named_children():
                 if id(c) in found or _generic(c) or not tree.params[id(c)]:
                     continue
@@ -304,8 +308,7 @@ def _siblings(tree: _Tree, blocks: list[tuple[str, nn.Module]]) -> dict[str, str
                     continue
                 if is_head(c, tree.model) or any(f is x for f in classifier for x in c.modules()):
                     continue
-                why = f"once in {where or 'the model'}, beside its repeated blocks"
-                out[f"{where}.{child}" if where else child] = why
+                out[".".join(p for p in (prefix, rel, child) if p)] = why
     return out
 
 
