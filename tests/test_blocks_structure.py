@@ -479,6 +479,40 @@ def test_residual_units_in_branches_outrank_the_containers_around_them() -> None
     assert memfit.find_blocks(model) == expected
 
 
+# --- DLA: a tree holding blocks beside blocks is not one more block -----------------------
+
+
+class Tree(nn.Module):
+    def __init__(self, c: int, levels: int) -> None:
+        super().__init__()
+        make = (lambda: Tree(c, levels - 1)) if levels > 1 else (lambda: ConvBlock(c))
+        self.tree1, self.tree2 = make(), make()
+        self.root = ConvBN(2 * c, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y1 = self.tree1(x)
+        return self.root(torch.cat([y1, self.tree2(y1)], 1))
+
+
+class DLALike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.level1 = Tree(4, 1)
+        self.level2 = Tree(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.level2(self.level1(x))
+
+
+def test_a_module_holding_blocks_is_never_a_block_beside_them() -> None:
+    model = DLALike()
+    assert model(torch.randn(1, 4, 8, 8)).shape == (1, 4, 8, 8)
+    blocks = memfit.find_blocks(model)
+    assert blocks == ["level1.tree1", "level1.tree2", "level2.tree1.tree1", "level2.tree1.tree2",
+                      "level2.tree2.tree1", "level2.tree2.tree2"]  # fmt: skip
+    assert not any(a.startswith(b + ".") for a in blocks for b in blocks)
+
+
 # --- declared blocks -------------------------------------------------------------------------
 
 

@@ -302,8 +302,8 @@ def _siblings(tree: _Tree, blocks: list[tuple[str, nn.Module]]) -> dict[str, str
             else:
                 why = f"in {where}, the place of the repeated blocks in other {cls.__name__} modules"
             for child, c in container.named_children():
-                if id(c) in found or _generic(c) or not tree.params[id(c)]:
-                    continue
+                if _generic(c) or not tree.params[id(c)] or any(id(x) in found for x in c.modules()):
+                    continue  # a container, nothing to keep, or a block (or one holding blocks: DLA's trees)
                 if not (tree.height[id(c)] >= 2 or tree.residual(c)):
                     continue
                 if is_head(c, tree.model) or any(f is x for f in classifier for x in c.modules()):
@@ -359,7 +359,9 @@ def block_reasons(model: nn.Module) -> dict[str, str]:
             reasons[n] = "a stage of its own beside stages of blocks (its first block, of another class)"
     for n, why in _siblings(tree, blocks).items():
         reasons.setdefault(n, why)
-    return {n: reasons[n] for n, _ in model.named_modules() if n in reasons}
+    ordered = [n for n, _ in model.named_modules() if n in reasons]
+    # A block is never inside another: checkpointed twice, it would be recomputed twice.
+    return {n: reasons[n] for n in ordered if not any(n.startswith(o + ".") for o in ordered)}
 
 
 def find_blocks(model: nn.Module) -> list[str]:
