@@ -3,7 +3,9 @@
 One concern, one package (as PyTorch keeps ``checkpoint``, ``checkpoint_sequential``, SAC and
 ``CheckpointError`` in ``torch/utils/checkpoint.py``):
 
-- :mod:`~memfit.checkpointing.blocks`: ``find_blocks``, the repeated unit at any depth;
+- :mod:`~memfit.checkpointing.blocks`: ``find_blocks``, the repeated unit at any depth, and
+  ``block_reasons``, why each was chosen (with :mod:`~memfit.checkpointing.structure`: what a
+  module's code says, a residual unit or a head);
 - :mod:`~memfit.checkpointing.modes`: ``checkpoint`` / ``uncheckpoint`` / ``set_block_modes``,
   per block ``none``, ``selective`` or ``full``;
 - :mod:`~memfit.checkpointing.segments`: a run of blocks checkpointed as one (the one chain
@@ -23,7 +25,7 @@ Example:
     {'blocks.1': 'selective'}
 """
 
-from memfit.checkpointing.blocks import find_blocks, resolve_blocks
+from memfit.checkpointing.blocks import block_reasons, find_blocks, resolve_blocks
 from memfit.checkpointing.modes import (
     checkpoint,
     checkpoint_contexts,
@@ -38,6 +40,7 @@ from memfit.errors import CheckpointError
 __all__ = [
     "CheckpointError",
     "applied_segments",
+    "block_reasons",
     "checkpoint",
     "checkpoint_contexts",
     "checkpointed_blocks",
