@@ -10,7 +10,8 @@ through its own ``labels=`` loss in fp32 with AdamW. The plain step is profiled,
 
 Run (about 15 minutes on a 2-core CPU): ``TORCHDYNAMO_DISABLE=1 .venv-extras/bin/python
 benchmarks/bench_loss_head_plan.py`` (torchao's compiled step runs eagerly, as MemTracker
-sees it).
+sees it). With ``MEMFIT_BENCH_PROFILE=FILE`` the plain profile is written there, or read from
+there when it exists (it takes most of the time).
 """
 
 from __future__ import annotations
@@ -69,7 +70,13 @@ def main() -> None:
     )
     started = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
+    saved = os.environ.get("MEMFIT_BENCH_PROFILE")  # a JSON profile of this model from an earlier run
+    if saved and os.path.exists(saved):
+        prof = memfit.Profile.from_json(open(saved).read())
+    else:
+        prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
+        if saved:
+            open(saved, "w").write(prof.to_json())
     plain_peak = prof.measured_peak_bytes
     plain_loss = float(_loss(copy.deepcopy(fresh), x))
     took = time.perf_counter() - started
