@@ -28,6 +28,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import memfit
+from memfit.records import Profile
 
 VOCAB, SEQ, BATCH = 151936, 512, 2
 
@@ -72,7 +73,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     saved = os.environ.get("MEMFIT_BENCH_PROFILE")  # a JSON profile of this model from an earlier run
     if saved and os.path.exists(saved):
-        prof = memfit.Profile.from_json(open(saved).read())
+        prof = Profile.from_json(open(saved).read())
     else:
         prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
         if saved:
