@@ -20,6 +20,7 @@ import copy
 import os
 import platform
 import time
+from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -73,11 +74,11 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     saved = os.environ.get("MEMFIT_BENCH_PROFILE")  # a JSON profile of this model from an earlier run
     if saved and os.path.exists(saved):
-        prof = Profile.from_json(open(saved).read())
+        prof = Profile.from_json(Path(saved).read_text())
     else:
         prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
         if saved:
-            open(saved, "w").write(prof.to_json())
+            Path(saved).write_text(prof.to_json())
     plain_peak = prof.measured_peak_bytes
     plain_loss = float(_loss(copy.deepcopy(fresh), x))
     took = time.perf_counter() - started
