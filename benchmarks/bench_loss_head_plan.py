@@ -10,7 +10,8 @@ through its own ``labels=`` loss in fp32 with AdamW. The plain step is profiled,
 
 Run (about 15 minutes on a 2-core CPU): ``TORCHDYNAMO_DISABLE=1 .venv-extras/bin/python
 benchmarks/bench_loss_head_plan.py`` (torchao's compiled step runs eagerly, as MemTracker
-sees it).
+sees it). With ``MEMFIT_BENCH_PROFILE=FILE`` the plain profile is written there, or read from
+there when it exists (it takes most of the time).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import copy
 import os
 import platform
 import time
+from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -27,6 +29,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 import memfit
+from memfit.records import Profile
 
 VOCAB, SEQ, BATCH = 151936, 512, 2
 
@@ -69,7 +72,13 @@ def main() -> None:
     )
     started = time.perf_counter()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
+    saved = os.environ.get("MEMFIT_BENCH_PROFILE")  # a JSON profile of this model from an earlier run
+    if saved and os.path.exists(saved):
+        prof = Profile.from_json(Path(saved).read_text())
+    else:
+        prof = memfit.profile(model, x, _loss, opt, "fp32", repeats=1)
+        if saved:
+            Path(saved).write_text(prof.to_json())
     plain_peak = prof.measured_peak_bytes
     plain_loss = float(_loss(copy.deepcopy(fresh), x))
     took = time.perf_counter() - started

@@ -92,6 +92,10 @@ class _Planner:
         self.complete = False
         """Measure every mode even where the budget needs none (a later re-plan may need them)."""
         self.levers: list[str] = []
+        self.allowed: list[str] = []
+        """The levers a plan may use once refusals are out (set when choosing)."""
+        self.lever_base: Mapping[str, Profile] = {}
+        """The profiles without levers that lever sets are planned from."""
         """Levers the plan may use (:mod:`memfit.planning.lever_sets`)."""
         self.room: Room | None = None
         """The device's room when planning began (None: unknown); each profiler reads the room
@@ -191,9 +195,7 @@ class _Planner:
             else:
                 margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
             try:
-                levers, saved = result.levers, result.lever_savings
-                result = plan_from_profiles(profiles, budget - margin, *self.baseline, segments=segments)
-                result.levers, result.lever_savings = levers, saved
+                result, profiles = self._tighter(profiles, result, budget - margin, segments)
             except InfeasibleBudget as exc:
                 raise InfeasibleBudget(
                     f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
@@ -209,6 +211,21 @@ class _Planner:
             minimum_bytes=result.measured_peak_bytes,
             budget_bytes=budget,
         )
+
+    def _tighter(
+        self, profiles: Mapping[str, Profile], result: Plan, budget: int, segments: bool
+    ) -> tuple[Plan, Mapping[str, Profile]]:
+        """The plan under ``budget`` with ``result``'s levers; failing that, with the next lever
+        set allowed (e.g. the fused step once 4-bit state alone measured over its prediction)."""
+        try:
+            levers, saved = result.levers, result.lever_savings
+            tighter = plan_from_profiles(profiles, budget, *self.baseline, segments=segments)
+            tighter.levers, tighter.lever_savings = levers, saved
+            return tighter, profiles
+        except InfeasibleBudget:
+            if not self.allowed or not self.lever_base:
+                raise
+            return plan_with_levers(self.lever_base, budget, self.baseline, self.allowed)
 
     def _measure_in_room(self, result: Plan, budget: int) -> tuple[int, bool]:
         """:meth:`_measure`, where running out of memory reads as 10% over the budget (so the
@@ -336,12 +353,14 @@ def _chosen(
         attach_lever_facts(prof, planner.model, planner.optimizer, find_blocks(planner.model), step)
     allowed, unusable = usable_levers(profs, allowed)
     request.refused.update(unusable)
+    planner.allowed, planner.lever_base = list(allowed), profs  # for check's tighter plans
     result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
     if verify and result.levers:
         failed = failing_levers(
             planner.model, planner.batch, planner.loss_fn, planner.optimizer, result, planner.measured
         )
         allowed = [n for n in allowed if n not in failed]
+        planner.allowed = list(allowed)
         request.refused.update(failed)
         result, used = replan_without(profs, planner.budget_bytes, planner.baseline, allowed, failed)
     return result, used
