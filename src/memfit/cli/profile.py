@@ -16,6 +16,7 @@ from memfit.errors import ConfigError
 from memfit.measuring.lever_facts import head_facts
 from memfit.measuring.profile import profile
 from memfit.outputs import check_output_file, marked_json, write_text
+from memfit.planning.notes import block_notes
 from memfit.precision import Precision
 from memfit.records import EstimateEntry
 from memfit.report.memory_tables import block_table, head_table, strategy_table, verdict_line
@@ -66,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print()
     print(block_table(prof))
+    for line in block_notes(model, {b.name: "" for b in prof.blocks}):
+        print(f"why: {line}")
     print()
     head = head_table(head_facts(model, batch, spec.loss_fn, prof.precision), prof.precision)
     if head is not None:

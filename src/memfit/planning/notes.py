@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from memfit.checkpointing import block_reasons
 from memfit.levers.frozen import frozen_note
 from memfit.measuring.inplace import inplace_parts
 from memfit.planning.choose import TIE
@@ -22,7 +23,7 @@ from memfit.records import Plan, Profile
 from memfit.stepmodel import predict_options_seconds, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["complete_profile", "plan_notes", "standard_note"]
+__all__ = ["block_notes", "complete_profile", "plan_notes", "standard_note"]
 
 
 def complete_profile(profile: Profile) -> bool:
@@ -60,8 +61,29 @@ def standard_note(result: Plan, profile: Profile) -> str | None:
     )
 
 
+def block_notes(model: nn.Module, blocks: Mapping[str, str]) -> list[str]:
+    """Why the blocks were chosen, one line per reason (:func:`memfit.checkpointing.block_reasons`).
+
+    Example:
+        >>> block_notes(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), {"0": "full", "1": "none"})
+        ['blocks 0 and 1: repeated 2x (Linear), the largest unit that repeats']
+    """
+    groups: dict[str, list[str]] = {}
+    for name, why in block_reasons(model).items():
+        if name in blocks:
+            groups.setdefault(why, []).append(name)
+    lines = []
+    for why, names in groups.items():
+        which = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        if len(names) > 3:
+            which = f"{names[0]} ... {names[-1]} ({len(names)})"
+        lines.append(f"block{'s' if len(names) > 1 else ''} {which}: {why}")
+    return lines
+
+
 def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
     notes = [
+        *block_notes(model, result.blocks),
         time_note(profiles[result.precision]),
         f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
         "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
