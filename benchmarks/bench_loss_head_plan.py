@@ -56,8 +56,17 @@ def _tracked_step(
     first = float(memfit.train_step(model, batch, _loss, opt, plan))
     tracker = MemTracker()
     tracker.track_external(model, opt)
+
+    def next_micro_batch(module: torch.nn.Module, args: object) -> None:
+        # MemTracker takes a second forward of the root module for a new iteration; with
+        # micro-batches it is the same step's next one: clear its per-module statistics
+        if module is model and module in tracker.memory_tracking and not tracker._mod_tracker.is_bw:
+            tracker.reset_mod_stats()
+
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(next_micro_batch)
     with tracker:
         memfit.train_step(model, batch, _loss, opt, plan)
+    hook.remove()
     peak = tracker.get_tracker_snapshot("peak")
     return first, int(sum(v["Total"] for v in peak.values()))
 

@@ -48,10 +48,13 @@ from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_messag
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import (
     frozen_applied,
+    lever_profiles,
+    lever_sets,
     levers_applied,
     plan_with_levers,
     replan_without,
     resolve_levers,
+    savings,
     usable_levers,
 )
 from memfit.planning.notes import complete_profile, plan_notes
@@ -96,6 +99,8 @@ class _Planner:
         """The levers a plan may use once refusals are out (set when choosing)."""
         self.lever_base: Mapping[str, Profile] = {}
         """The profiles without levers that lever sets are planned from."""
+        self.tried: list[list[str]] = []
+        """Lever sets whose plans measured over the budget."""
         """Levers the plan may use (:mod:`memfit.planning.lever_sets`)."""
         self.room: Room | None = None
         """The device's room when planning began (None: unknown); each profiler reads the room
@@ -195,7 +200,7 @@ class _Planner:
             else:
                 margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
             try:
-                result, profiles = self._tighter(profiles, result, budget - margin, segments)
+                result, profiles = self._tighter(profiles, result, (budget, margin), segments)
             except InfeasibleBudget as exc:
                 raise InfeasibleBudget(
                     f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
@@ -213,19 +218,33 @@ class _Planner:
         )
 
     def _tighter(
-        self, profiles: Mapping[str, Profile], result: Plan, budget: int, segments: bool
+        self, profiles: Mapping[str, Profile], result: Plan, budget: tuple[int, int], segments: bool
     ) -> tuple[Plan, Mapping[str, Profile]]:
-        """The plan under ``budget`` with ``result``'s levers; failing that, with the next lever
-        set allowed (e.g. the fused step once 4-bit state alone measured over its prediction)."""
+        """A plan to measure next: ``result``'s levers under the budget less the measured margin,
+        else the next lever set not yet measured, under the whole budget (the margin was measured
+        on another set: e.g. the fused step once 4-bit state alone measured over its prediction)."""
+        whole, margin = budget
+        self.tried.append(sorted(result.levers))
         try:
             levers, saved = result.levers, result.lever_savings
-            tighter = plan_from_profiles(profiles, budget, *self.baseline, segments=segments)
+            tighter = plan_from_profiles(profiles, whole - margin, *self.baseline, segments=segments)
             tighter.levers, tighter.lever_savings = levers, saved
             return tighter, profiles
-        except InfeasibleBudget:
+        except InfeasibleBudget as exc:
             if not self.allowed or not self.lever_base:
                 raise
-            return plan_with_levers(self.lever_base, budget, self.baseline, self.allowed)
+            first = exc
+        for levers in lever_sets(self.allowed):
+            profs = lever_profiles(self.lever_base, levers)
+            if sorted(levers) in self.tried or not profs:
+                continue
+            try:
+                plan = plan_from_profiles(profs, whole, *self.baseline, segments=segments)
+            except InfeasibleBudget:
+                continue
+            plan.levers, plan.lever_savings = list(levers), savings(self.lever_base, plan)
+            return plan, profs
+        raise first
 
     def _measure_in_room(self, result: Plan, budget: int) -> tuple[int, bool]:
         """:meth:`_measure`, where running out of memory reads as 10% over the budget (so the
