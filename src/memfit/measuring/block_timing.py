@@ -53,6 +53,7 @@ __all__ = [
     "BlockInputs",
     "block_extras",
     "capture_block_inputs",
+    "describe_timing",
     "extras_over_none",
     "fit_prices",
     "time_block_modes",
@@ -214,3 +215,17 @@ def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> N
         counted = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
         sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - counted) / (2 * block.forward_ops))
         sp.selective_steps = len(extras["selective"])
+
+
+def describe_timing(mode: str, micro_batches: int) -> str:
+    """How whole steps were timed, for the profile's report ("" : the plain step).
+
+    Example:
+        >>> describe_timing("none", 4)
+        ' without checkpointing in 4 micro-batches (the plain step does not fit)'
+    """
+    if (mode, micro_batches) == ("none", 1):
+        return ""
+    parts = f" in {micro_batches} micro-batches" if micro_batches > 1 else ""
+    how = "without checkpointing" if mode == "none" else "with every block fully checkpointed"
+    return f" {how}{parts} (the plain step does not fit)"
