@@ -42,7 +42,8 @@ __all__ = ["both", "every_layer_runs", "layer_drops"]
 # torch.rand([]) < self.config.layerdrop: skip the layer``). Setting every such attribute
 # to 0 while a step is measured makes that step run every layer; the values are put back
 # after. Only positive float attributes whose name ends in ``layerdrop`` are touched, on
-# the modules and on the config objects they hold.
+# the modules and on the config objects they hold. A block that may be skipped is no link
+# of a chain: a profile of a model with LayerDrop has no chain links (no segments).
 
 
 def layer_drops(model: nn.Module) -> list[tuple[Any, str, float]]:

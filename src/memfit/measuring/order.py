@@ -39,8 +39,16 @@ from typing import Any
 from torch import nn
 
 from memfit.measuring.phases import StepMemory
+from memfit.records import BlockStats
 
-__all__ = ["in_run_order", "put_in_run_order", "reorder_memory", "reordered_links", "run_order"]
+__all__ = [
+    "between_blocks",
+    "in_run_order",
+    "put_in_run_order",
+    "reorder_memory",
+    "reordered_links",
+    "run_order",
+]
 
 # Note [blocks in the order they ran]
 # A profile's blocks are in the order their forwards first ran in the plain step (module
@@ -77,7 +85,8 @@ def in_run_order(blocks: Sequence[str], seen: Sequence[str]) -> list[str]:
 
 
 def reordered_links(blocks: Sequence[str], links: Sequence[bool], order: Sequence[str]) -> list[bool]:
-    """Chain links of ``blocks`` (``links[k]``: block k+1 took block k's output) for ``order``."""
+    """Chain links of ``blocks`` (``links[k]``: block k+1 took block k's output) for ``order``
+    (none where ``links`` is empty)."""
     linked = {(a, b) for a, b, ok in zip(blocks, blocks[1:], links, strict=False) if ok}
     return [pair in linked for pair in itertools.pairwise(order)]
 
@@ -104,3 +113,29 @@ def put_in_run_order(
     reorder_memory(mem, order)
     keeps = dict(zip(blocks, keeps_shape, strict=True))
     return order, reordered_links(blocks, links, order), [keeps[b] for b in order]
+
+
+def between_blocks(mem: StepMemory, blocks: Sequence[BlockStats]) -> None:
+    """Fill each block's ``after_held_bytes`` and ``after_grad_bytes`` from the plain step ``mem``.
+
+    Where the code outside the blocks runs between two of them (GoogLeNet's auxiliary heads,
+    CLIP's step from one tower to the next), what it holds then and the gradients its backward
+    creates are the step's too. Each is what the step's totals grew by between the two blocks
+    (never below 0). See Note [outside between blocks].
+    """
+    ran = {b.name: b for b in mem.blocks}
+    for st, nxt in itertools.pairwise(blocks):
+        here, there = ran.get(st.name), ran.get(nxt.name)
+        if here is None or there is None:
+            continue
+        st.after_held_bytes = max(0, there.forward_start - here.forward_end)
+        st.after_grad_bytes = max(0, here.backward_grads - there.backward_grads - nxt.grad_bytes)
+
+
+# Note [outside between blocks]
+# The step model's outside runs before the first block (stem) and after the last (head,
+# loss). Code that runs between two blocks holds its bytes while every later block's
+# forward runs (after_held_bytes) and creates its parameters' gradients in its backward,
+# before the earlier block's backward (after_grad_bytes): the events add both from then
+# on. What it keeps for its backward is in the outside's kept bytes, and each block's
+# backward peak is measured against them, so the events need nothing more for it.

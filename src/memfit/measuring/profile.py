@@ -52,10 +52,10 @@ from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
-from memfit.measuring.depth import both, every_layer_runs
+from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
-from memfit.measuring.order import put_in_run_order, run_order
+from memfit.measuring.order import between_blocks, put_in_run_order, run_order
 from memfit.measuring.phases import (
     StepMemory,
     grad_bytes_of,
@@ -145,6 +145,7 @@ class Profiler:
     def _plain_step(self, on_twin: bool) -> StepMemory:
         """One tracked step without checkpointing (FLOPs counted), on the twin or the model."""
         model, batch, optimizer, precision, context = self._subject(on_twin)
+        random_depth = bool(layer_drops(model))
         with context:
             create_optimizer_state(model, optimizer)
             uncheckpoint(model)
@@ -159,7 +160,7 @@ class Profiler:
                 )
             # See Note [blocks in the order they ran]
             self.blocks, self.links, keeps = put_in_run_order(
-                self.blocks, seen, mem, probe.links, probe.keeps_shape
+                self.blocks, seen, mem, [] if random_depth else probe.links, probe.keeps_shape
             )
             # only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, keeps) if self.blocks else {}
@@ -461,6 +462,7 @@ class Profiler:
         """The :class:`memfit.Profile` of what was measured."""
         prof = self._memory_profile()
         prof.chain_links = list(self.links)
+        between_blocks(self.memory["none"], prof.blocks)
         for st in [*prof.blocks, prof.outside]:
             f = self.flops.get(st.name, BlockFlops())
             st.forward_flops, st.selective_flops = f.forward, f.selective_recompute

@@ -114,6 +114,11 @@ class _Blocks:
             for b, o in pairs
         ]
         self.out = [round(s * b.output_bytes) for b in profile.blocks]
+        # See Note [outside between blocks] (memfit.measuring.order)
+        self.between = [0]  # held by the outside code that ran between the blocks before t
+        for b in profile.blocks[:-1]:
+            self.between.append(self.between[-1] + round(s * b.after_held_bytes))
+        self.after_grads = [b.after_grad_bytes for b in profile.blocks]
         # recomputed activations of blocks i..k-1 inside a segment: prefix[k] - prefix[i]
         self.prefix = [0]
         for k in range(self.n):
@@ -273,7 +278,7 @@ def _forward_events(w: _Walk, ph: _Phase) -> list[Event]:
         fixed = {**start, "activations": w.whole, "temporaries": w.stem_fwd}
         result.append(Event(f"{prefix}forward outside before the blocks", fixed))
     for t, block in enumerate(w.profile.blocks):
-        fixed = {**start, "activations": w.whole + w.before}
+        fixed = {**start, "activations": w.whole + w.before + w.blk.between[t]}
         label = f"{prefix}forward of {block.name}"
         result.append(w.event(label, fixed, functools.partial(w.blk.forward, t=t)))
     fixed = {**start, "activations": w.whole, "temporaries": w.out_fwd}
@@ -305,6 +310,8 @@ def _block_backward_events(w: _Walk, ph: _Phase) -> list[Event]:
     segments = any(o.segment for o in w.opts)
     for t in reversed(range(w.blk.n)):
         block = w.profile.blocks[t]
+        if not later and not ph.last:  # the outside code between block t and t+1 has run backward
+            grads += w.blk.after_grads[t]
         fixed = {**w.state, "grads": grads, "activations": w.whole + w.kept_before}
         if segments:
             label = f"{prefix}recompute before the backward of {block.name}"
