@@ -13,7 +13,7 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_loss_head_
 	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py \
 	tests/integrations/test_readme_extras.py tests/integrations/test_hf_compile.py \
 	tests/integrations/test_plan_room_hf.py tests/integrations/test_hf_cache_flags.py \
-	tests/integrations/test_docs_shell_extras.py
+	tests/integrations/test_docs_shell_extras.py tests/integrations/test_order_zoo.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 
