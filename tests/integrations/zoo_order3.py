@@ -99,6 +99,6 @@ ORDER3: list[Entry] = [
             num_heads=[2, 4], window_size=4, num_labels=10),
         _image_loss, _labelled_images(32),
         layers("swin.encoder.layers"),
-        covers="drop path 0.1 by default (stochastic depth as a random mask), patch merging",
+        covers="drop path 0.1 by default (stochastic depth as a random mask), patch merging", estimate=True,
     ),
 ]  # fmt: skip
