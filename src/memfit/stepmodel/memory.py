@@ -2,8 +2,9 @@
 
 A :class:`memfit.Profile` holds per-block numbers each measured with every block in one
 mode; a plan mixes modes and segments (:mod:`memfit.stepmodel.options`). :func:`events`
-walks the step (the outside's forward before the blocks, each block's forward, the head
-and loss, their backward, each block's backward in reverse order with a segment's
+walks the step (the outside's forward before the blocks, each block's forward in the order
+the blocks ran, what the outside between two blocks holds from then on, the head and loss,
+their backward, each block's backward in reverse order with a segment's
 recompute before its last block's, the outside's backward after the blocks, the optimizer
 step) and writes, at each moment, the bytes held by role (parameters, gradients, optimizer
 state, activations, temporaries) as a constant plus one term per option. The peak is the
