@@ -435,12 +435,13 @@ class Profiler:
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
         times, seen = self._timed_steps(max(1, steps), heaviest)
-        self.times += times
+        self.times += times  # See Note [timing a block alone within a few steps]
+        within = timing.BLOCK_STEPS * statistics.median(t[2] for t in self.times)
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
         extras, why = (
             ({}, "")
             if len(modes) == 1
-            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast)
+            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast, within)
         )
         what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)}"
         if why:
@@ -449,7 +450,7 @@ class Profiler:
             # the block ran on one micro-batch's inputs: its extras scale to the whole batch
             k = self.timing[1]
             self.timed_block, self.extras = heaviest, {m: [t * k for t in ts] for m, ts in extras.items()}
-            what += f" and {heaviest} alone {rounds} times in each of {', '.join(modes)}"
+            what += f" and {heaviest} alone {len(extras[modes[-1]])} times in each of {', '.join(modes)}"
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def _memory_profile(self) -> Profile:
