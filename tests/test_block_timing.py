@@ -16,7 +16,7 @@ from torch import nn
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
-from memfit.measuring.block_timing import capture_block_inputs, time_block_modes
+from memfit.measuring.block_timing import MIN_ROUNDS, capture_block_inputs, time_block_modes
 from memfit.measuring.preserve import preserved
 from memfit.measuring.profile import Profiler
 from memfit.models.gpt import gpt_loss
@@ -88,6 +88,18 @@ def test_each_run_starts_from_the_inputs_the_block_saw() -> None:
     assert seen.kwargs["cache"].entries == [1]
     assert checkpointed_blocks(model) == {}  # the block's mode is put back
     assert seen.args[0].grad is None or seen.args[0].requires_grad
+
+
+def test_a_block_alone_is_timed_within_the_seconds_given_after_the_fewest_rounds() -> None:
+    model = Stack()
+    x, _ = _batch()
+    with capture_block_inputs(model, "blocks.1") as seen:
+        model(x)
+    quick = time_block_modes(model, "blocks.1", seen, ["none", "full"], rounds=8, within=0.0)
+    assert {m: len(t) for m, t in quick.items()} == {"none": MIN_ROUNDS, "full": MIN_ROUNDS}
+    whole = time_block_modes(model, "blocks.1", seen, ["none", "full"], rounds=MIN_ROUNDS + 2)
+    assert {m: len(t) for m, t in whole.items()} == {"none": MIN_ROUNDS + 2, "full": MIN_ROUNDS + 2}
+    assert checkpointed_blocks(model) == {}
 
 
 def test_a_block_whose_output_needs_no_gradient_cannot_be_timed_alone() -> None:

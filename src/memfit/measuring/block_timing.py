@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -49,10 +50,24 @@ from memfit.records import Profile
 from memfit.stepmodel import forward_work, selective_work
 from memfit.vocab import CheckpointMode
 
+#: Rounds a block alone is timed in each mode at least, however long they take.
+MIN_ROUNDS = 3
+#: Whole steps' seconds the profile spends at most (after MIN_ROUNDS) timing a block alone.
+BLOCK_STEPS = 4.0
+
+# Note [timing a block alone within a few steps]
+# A block timed alone prices a recompute and selective checkpointing; more rounds only
+# narrow a median. On a model of many small blocks (a CNN) a block alone, warmed up and
+# run in three modes, costs as much as whole steps, so the profile stops after a few
+# steps' worth of seconds: planning stays within its goal of about 30 baseline steps.
+
 __all__ = [
+    "BLOCK_STEPS",
+    "MIN_ROUNDS",
     "BlockInputs",
     "block_extras",
     "capture_block_inputs",
+    "describe_timing",
     "extras_over_none",
     "fit_prices",
     "time_block_modes",
@@ -128,13 +143,16 @@ def time_block_modes(
     modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    within: float = math.inf,
 ) -> dict[str, list[float]]:
     """Seconds of block ``name``'s forward + backward alone, per mode, one per round.
 
     One untimed round warms each mode up; then every round runs the modes in the order
     given, so the i-th times of two modes were taken side by side. ``autocast`` makes the
-    context each run's forward runs in (the precision's autocast). The block's mode is put
-    back to ``none`` (no checkpointing) afterwards.
+    context each run's forward runs in (the precision's autocast). Timing stops after the
+    round in which ``within`` seconds have passed, once :data:`MIN_ROUNDS` rounds were timed
+    (See Note [timing a block alone within a few steps]). The block's mode is put back to
+    ``none`` (no checkpointing) afterwards.
 
     Raises:
         RuntimeError: the inputs were not captured, or the block's output needs no gradient.
@@ -145,6 +163,7 @@ def time_block_modes(
     device = model_device(block)
     cuda = device.type == "cuda"
     times: dict[str, list[float]] = {m: [] for m in modes}
+    began = time.perf_counter()
     try:
         with progress.phase(f"timing {name} alone", total=rounds) as shown:
             for r in range(rounds + 1):
@@ -160,6 +179,8 @@ def time_block_modes(
                         times[mode].append(time.perf_counter() - start)
                 if r > 0:  # round 0 warms each mode up
                     shown.advance()
+                if r >= MIN_ROUNDS and time.perf_counter() - began > within:
+                    break
     finally:
         set_block_modes(model, {name: "none"})
     return times
@@ -178,11 +199,13 @@ def block_extras(
     modes: Sequence[CheckpointMode],
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    within: float = math.inf,
 ) -> tuple[dict[str, list[float]], str]:
     """Block ``name``'s seconds over none's per mode (:func:`time_block_modes`) and ``""``, or
     no times and why the block cannot run alone."""
     try:
-        return extras_over_none(time_block_modes(model, name, seen, modes, rounds, autocast)), ""
+        times = time_block_modes(model, name, seen, modes, rounds, autocast, within)
+        return extras_over_none(times), ""
     except Exception as exc:  # whatever stops one block running alone, the step still runs
         return {}, f"{type(exc).__name__}: {exc}"
 
@@ -214,3 +237,17 @@ def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> N
         counted = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
         sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - counted) / (2 * block.forward_ops))
         sp.selective_steps = len(extras["selective"])
+
+
+def describe_timing(mode: str, micro_batches: int) -> str:
+    """How whole steps were timed, for the profile's report ("" : the plain step).
+
+    Example:
+        >>> describe_timing("none", 4)
+        ' without checkpointing in 4 micro-batches (the plain step does not fit)'
+    """
+    if (mode, micro_batches) == ("none", 1):
+        return ""
+    parts = f" in {micro_batches} micro-batches" if micro_batches > 1 else ""
+    how = "without checkpointing" if mode == "none" else "with every block fully checkpointed"
+    return f" {how}{parts} (the plain step does not fit)"

@@ -49,10 +49,13 @@ from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_mod
 from memfit.checkpointing.segments import chain_probe
 from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
+from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
+from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
+from memfit.measuring.order import between_blocks, put_in_run_order, run_order
 from memfit.measuring.phases import (
     StepMemory,
     grad_bytes_of,
@@ -133,14 +136,16 @@ class Profiler:
 
     def _subject(self, on_twin: bool) -> tuple[nn.Module, Batch, _Optimizer | None, Precision, _Context]:
         """What a memory step runs on: the fake twin (loss scaling off) or the real model."""
-        twin = self.twin if on_twin else None
+        twin = self.twin if on_twin else None  # See Note [random depth at its worst]
         if twin is None:
-            return self.model, self.batch, self.optimizer, self.precision, nullcontext()
-        return twin.model, twin.batch, twin.optimizer, twin_precision(self.precision), twin.mode
+            return self.model, self.batch, self.optimizer, self.precision, every_layer_runs(self.model)
+        context = both(twin.mode, every_layer_runs(twin.model))
+        return twin.model, twin.batch, twin.optimizer, twin_precision(self.precision), context
 
     def _plain_step(self, on_twin: bool) -> StepMemory:
         """One tracked step without checkpointing (FLOPs counted), on the twin or the model."""
         model, batch, optimizer, precision, context = self._subject(on_twin)
+        random_depth = bool(layer_drops(model))
         with context:
             create_optimizer_state(model, optimizer)
             uncheckpoint(model)
@@ -149,15 +154,18 @@ class Profiler:
             checked = batch_errors(model, batch) if not on_twin else nullcontext()
             # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
             count = on_twin or self.estimate is None
-            with checked, chain_probe(model, self.blocks) as probe:
+            with checked, chain_probe(model, self.blocks) as probe, run_order(model, self.blocks) as seen:
                 mem = phased_step(
                     model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
                 )
+            # See Note [blocks in the order they ran]
+            self.blocks, self.links, keeps = put_in_run_order(
+                self.blocks, seen, mem, [] if random_depth else probe.links, probe.keeps_shape
+            )
             # only blocks proven residual (output shaped like the input) stand in for each other
-            self.stand_in = stand_ins(model, self.blocks, probe.keeps_shape) if self.blocks else {}
+            self.stand_in = stand_ins(model, self.blocks, keeps) if self.blocks else {}
         if not count and self.estimate is not None:
             mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
-        self.links = probe.links
         return mem
 
     def estimated_peak(self) -> int | None:
@@ -267,6 +275,7 @@ class Profiler:
         started = time.perf_counter()
         with (
             self._phase(f"estimating the peak from {len(active)} blocks"),
+            every_layer_runs(self.model),
             skipping(self.model, list(skipped)),
             batch_errors(self.model, self.batch),
             chain_probe(self.model, active) as probe,
@@ -390,7 +399,8 @@ class Profiler:
                     capture_block_inputs(self.model, capture)
                     if capture
                     else nullcontext(BlockInputs()) as seen,
-                    self._phase(f"timing whole steps{self._describe_timing()}", n) as ph,
+                    self._phase(f"timing whole steps{timing.describe_timing(*self.timing)}", n) as ph,
+                    every_layer_runs(self.model),
                 ):
                     return [self._timed(*self.timing) for _ in ph.over(range(n))], seen
             except Exception as exc:
@@ -399,17 +409,9 @@ class Profiler:
                 uncheckpoint(self.model)
                 self.failed.add(self.timing)
                 self.measured.append(
-                    f"a step timed{self._describe_timing() or ' without checkpointing'} ran out of memory: "
-                    "timing a smaller one"
+                    f"a step timed{timing.describe_timing(*self.timing) or ' without checkpointing'} ran out "
+                    "of memory: timing a smaller one"
                 )
-
-    def _describe_timing(self) -> str:
-        mode, k = self.timing
-        if (mode, k) == ("none", 1):
-            return ""
-        parts = f" in {k} micro-batches" if k > 1 else ""
-        how = "without checkpointing" if mode == "none" else "with every block fully checkpointed"
-        return f" {how}{parts} (the plain step does not fit)"
 
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
@@ -418,7 +420,7 @@ class Profiler:
         with self._phase("micro-benchmarks of the device"):
             self.speed = measure_speed(model_device(self.model), self.precision)
         self.measured.append(
-            f"{repeats} timed step(s) at {self.precision.mode}{self._describe_timing()} and "
+            f"{repeats} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
         )
 
@@ -433,21 +435,22 @@ class Profiler:
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
         times, seen = self._timed_steps(max(1, steps), heaviest)
-        self.times += times
+        self.times += times  # See Note [timing a block alone within a few steps]
+        within = timing.BLOCK_STEPS * statistics.median(t[2] for t in self.times)
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
         extras, why = (
             ({}, "")
             if len(modes) == 1
-            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast)
+            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast, within)
         )
-        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{self._describe_timing()}"
+        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
         elif extras:
             # the block ran on one micro-batch's inputs: its extras scale to the whole batch
             k = self.timing[1]
             self.timed_block, self.extras = heaviest, {m: [t * k for t in ts] for m, ts in extras.items()}
-            what += f" and {heaviest} alone {rounds} times in each of {', '.join(modes)}"
+            what += f" and {heaviest} alone {len(extras[modes[-1]])} times in each of {', '.join(modes)}"
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def _memory_profile(self) -> Profile:
@@ -460,6 +463,7 @@ class Profiler:
         """The :class:`memfit.Profile` of what was measured."""
         prof = self._memory_profile()
         prof.chain_links = list(self.links)
+        between_blocks(self.memory["none"], prof.blocks)
         for st in [*prof.blocks, prof.outside]:
             f = self.flops.get(st.name, BlockFlops())
             st.forward_flops, st.selective_flops = f.forward, f.selective_recompute
@@ -497,16 +501,13 @@ class Profiler:
             )
             bwd, prof.step_seconds = max(0.0, bwd - recompute), max(0.0, prof.step_seconds - recompute)
         sp.backward_scale = bwd / work
-        sp.timed_as = self._describe_timing().strip()
+        sp.timed_as = timing.describe_timing(*self.timing).strip()
         fill_times(prof)
 
     def notes(self) -> list[str]:
-        if self.blocks:
-            return []
-        return [
-            f"{type(self.model).__name__} has no repeated blocks (find_blocks found none); it is profiled "
-            "as one part, 'outside', and checkpointing cannot be planned for it."
-        ]
+        name = type(self.model).__name__
+        why = "find_blocks found none); it is profiled as one part, 'outside', and checkpointing cannot"
+        return [] if self.blocks else [f"{name} has no repeated blocks ({why} be planned for it."]
 
 
 def memory_profile(

@@ -85,6 +85,13 @@ class BlockStats(Record):
     """Aten ops its forward dispatches (each costs a fixed dispatch time)."""
     selective_flops: int = 0
     """Forward FLOPs of the ops selective checkpointing recomputes."""
+    after_held_bytes: int = 0
+    """Bytes the code outside every block that runs between this block and the next (in the
+    order they ran: a head hanging off the chain, the step from one tower to the other) still
+    holds when the next block starts; 0 for a plain chain and for the last block."""
+    after_grad_bytes: int = 0
+    """Bytes of the parameter gradients that code creates in its backward, which runs between
+    the next block's backward and this one's."""
 
 
 @dataclass

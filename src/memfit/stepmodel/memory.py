@@ -2,8 +2,9 @@
 
 A :class:`memfit.Profile` holds per-block numbers each measured with every block in one
 mode; a plan mixes modes and segments (:mod:`memfit.stepmodel.options`). :func:`events`
-walks the step (the outside's forward before the blocks, each block's forward, the head
-and loss, their backward, each block's backward in reverse order with a segment's
+walks the step (the outside's forward before the blocks, each block's forward in the order
+the blocks ran, what the outside between two blocks holds from then on, the head and loss,
+their backward, each block's backward in reverse order with a segment's
 recompute before its last block's, the outside's backward after the blocks, the optimizer
 step) and writes, at each moment, the bytes held by role (parameters, gradients, optimizer
 state, activations, temporaries) as a constant plus one term per option. The peak is the
@@ -114,6 +115,11 @@ class _Blocks:
             for b, o in pairs
         ]
         self.out = [round(s * b.output_bytes) for b in profile.blocks]
+        # See Note [outside between blocks] (memfit.measuring.order)
+        self.between = [0]  # held by the outside code that ran between the blocks before t
+        for b in profile.blocks[:-1]:
+            self.between.append(self.between[-1] + round(s * b.after_held_bytes))
+        self.after_grads = [b.after_grad_bytes for b in profile.blocks]
         # recomputed activations of blocks i..k-1 inside a segment: prefix[k] - prefix[i]
         self.prefix = [0]
         for k in range(self.n):
@@ -273,7 +279,7 @@ def _forward_events(w: _Walk, ph: _Phase) -> list[Event]:
         fixed = {**start, "activations": w.whole, "temporaries": w.stem_fwd}
         result.append(Event(f"{prefix}forward outside before the blocks", fixed))
     for t, block in enumerate(w.profile.blocks):
-        fixed = {**start, "activations": w.whole + w.before}
+        fixed = {**start, "activations": w.whole + w.before + w.blk.between[t]}
         label = f"{prefix}forward of {block.name}"
         result.append(w.event(label, fixed, functools.partial(w.blk.forward, t=t)))
     fixed = {**start, "activations": w.whole, "temporaries": w.out_fwd}
@@ -305,6 +311,8 @@ def _block_backward_events(w: _Walk, ph: _Phase) -> list[Event]:
     segments = any(o.segment for o in w.opts)
     for t in reversed(range(w.blk.n)):
         block = w.profile.blocks[t]
+        if not later and not ph.last:  # the outside code between block t and t+1 has run backward
+            grads += w.blk.after_grads[t]
         fixed = {**w.state, "grads": grads, "activations": w.whole + w.kept_before}
         if segments:
             label = f"{prefix}recompute before the backward of {block.name}"
