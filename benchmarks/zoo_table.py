@@ -5,7 +5,11 @@ The same steps as ``tests/integrations/test_zoo.py`` (which asserts them): the b
 budget halfway between them; its predicted and measured peak.
 
 Run (needs the extras):
-    HF_HUB_OFFLINE=1 PYTHONPATH=src .venv-extras/bin/python benchmarks/zoo_table.py
+    HF_HUB_OFFLINE=1 PYTHONPATH=src .venv-extras/bin/python benchmarks/zoo_table.py [NAME ...]
+
+With names (substrings of the entries' names, e.g. ``ghostnet clip``) only those rows, each
+with a last column: ``memfit.estimate``'s plain peak against the measured one, for entries the
+zoo checks it on.
 """
 
 from __future__ import annotations
@@ -85,6 +89,19 @@ def row(entry: Entry) -> str:
     )
 
 
+def estimated(entry: Entry) -> str:
+    """``memfit.estimate``'s fp32 plain peak against the measured one (two steps), or "-"."""
+    if not entry.estimate:
+        return "-"
+    batch = entry.batch(entry.large)
+    sgd = lambda p: torch.optim.SGD(p, lr=0.01)  # noqa: E731
+    est = memfit.estimate(entry.build, batch, entry.loss, sgd, precisions=["fp32"], modes=["none"])
+    model = entry.build()
+    real = memfit.measure(model, batch, entry.loss, sgd(model.parameters()), "fp32", steps=2).peak_bytes
+    predicted = est.peak_bytes("fp32", "none")
+    return f"{predicted:,} ({(predicted - real) / real:+.1%})"
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print(
@@ -92,8 +109,14 @@ def main() -> None:
         "full peak B | budget B | plan measured B (vs predicted) | holds |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    names = sys.argv[1:]
+    if names:
+        print("(last column: memfit.estimate's plain peak B, vs the measured one)")
     for entry in all_entries():
-        print(row(entry), flush=True)
+        if not names:
+            print(row(entry), flush=True)
+        elif any(n in entry.name for n in names):
+            print(f"{row(entry)} {estimated(entry)} |", flush=True)
 
 
 if __name__ == "__main__":

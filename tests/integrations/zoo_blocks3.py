@@ -81,9 +81,9 @@ _INCEPTION3 = ["Mixed_5b", "Mixed_5c", "Mixed_5d", "Mixed_6a", "Mixed_6b", "Mixe
                "Mixed_6e", "Mixed_7a", "Mixed_7b", "Mixed_7c"]  # fmt: skip
 _GOOGLENET = [f"inception{s}" for s in ("3a", "3b", "4a", "4b", "4c", "4d", "4e", "5a", "5b")]
 
-# Not ``estimate=True`` (yet): timm MobileOne and EdgeNeXt read their drop-path rates with
-# ``.item()``/``.tolist()`` while being built, and torchvision GoogLeNet and Inception-v3 run
-# ``trunc_normal_`` in their init: both raise DataDependentOutputException under fake tensors.
+# timm MobileOne and EdgeNeXt read their drop-path rates with ``.item()``/``.tolist()`` while
+# being built, and torchvision GoogLeNet and Inception-v3 run ``trunc_normal_`` in their init:
+# memfit.estimate builds them on the meta device (measuring/fakebuild.py).
 BLOCKS3: list[Entry] = [
     Entry("timm/ghostnet_050", _timm("ghostnet_050"), _ce, _images(64), _ghostnet(), estimate=True,
           covers="a residual bottleneck of two ghost modules and a shortcut: a block, not a stage"),
@@ -92,16 +92,16 @@ BLOCKS3: list[Entry] = [
           covers="a block of two residual units (context, local); down-sampling block first in a stage; "
                  "a stem with a residual unit, not a block"),
     Entry("timm/mobileone_s0", _timm("mobileone_s0"), _ce, _images(64),
-          ["stem", *_per_stage("stages.{}.{}", (4, 16, 20, 2))],
+          ["stem", *_per_stage("stages.{}.{}", (4, 16, 20, 2))], estimate=True,
           covers="parallel conv branches in a ModuleList, summed with an identity: one block"),
     Entry("timm/edgenext_xx_small", _timm("edgenext_xx_small"), _ce, _images(64),
-          _per_stage("stages.{}.blocks.{}", (2, 2, 6, 2)),
+          _per_stage("stages.{}.blocks.{}", (2, 2, 6, 2)), estimate=True,
           covers="a transposed-attention block once per stage, after the conv blocks"),
     # 75x75 is Inception-v3's smallest input without its auxiliary classifier; with it (the
     # default), the classifier's 5x5 pooling needs a 17x17 map: 299x299 images.
     Entry("torchvision/inception_v3", _tv("inception_v3"), _ce_with_aux, _images(299), _INCEPTION3, large=4,
-          covers="reduction blocks once between runs; an auxiliary classifier off the chain"),
-    Entry("torchvision/googlenet", _tv("googlenet"), _ce_with_aux, _images(64), _GOOGLENET,
+          estimate=True, covers="reduction blocks once between runs; an auxiliary classifier off the chain"),
+    Entry("torchvision/googlenet", _tv("googlenet"), _ce_with_aux, _images(64), _GOOGLENET, estimate=True,
           covers="two auxiliary classifiers side by side as attributes: heads, not blocks"),
     Entry("timm/hrnet_w18_small", _timm("hrnet_w18_small"), _ce, _images(64), _hrnet(),
           large=32, estimate=True,
