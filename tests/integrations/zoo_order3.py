@@ -59,19 +59,6 @@ def _speech(samples: int, seq: int) -> Callable[[int], Batch]:
     return make
 
 
-def _labelled_images(size: int) -> Callable[[int], Batch]:
-    def make(n: int) -> Batch:
-        g = generator()
-        return torch.randn(n, 3, size, size, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-    return make
-
-
-def _image_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return model(pixel_values=x, labels=y).loss
-
-
 _TOWER = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 ORDER3: list[Entry] = [
@@ -93,12 +80,5 @@ ORDER3: list[Entry] = [
         layers("wav2vec2.feature_extractor.conv_layers") + layers("wav2vec2.encoder.layers"),
         covers="LayerDrop 0.1 (random depth in training), SpecAugment masks, CTC loss",
     ),
-    Entry(
-        "transformers/swin",
-        _hf("swin", "SwinForImageClassification", image_size=32, patch_size=2, embed_dim=16, depths=[2, 2],
-            num_heads=[2, 4], window_size=4, num_labels=10),
-        _image_loss, _labelled_images(32),
-        layers("swin.encoder.layers"),
-        covers="drop path 0.1 by default (stochastic depth as a random mask), patch merging", estimate=True,
-    ),
+    # HF Swin (drop path 0.1 by default: stochastic depth as a random mask) is zoo_estimate3's.
 ]  # fmt: skip
