@@ -50,6 +50,7 @@ from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.fakebuild import FakeFallbacks, build_fake, fake_batch, model_limits
 from memfit.measuring.lever_facts import attach_lever_facts, head_facts
+from memfit.measuring.order import run_order
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
@@ -146,13 +147,14 @@ def _build(
 
 
 def _fast(f: _Fake, batch: Batch, loss_fn: LossFn) -> bool:
-    """Whether the blocks are identical and keep their input's shape (checked on ``batch``)."""
-    with batch_errors(f.model, batch), model_limits(f.model):
-        return (
-            len(f.blocks) > 2
-            and identical(f.model, f.blocks)
-            and outputs_keep_shape(f.model, f.blocks[-1], f.batch, loss_fn)
-        )
+    """Whether the blocks are identical, keep their input's shape and run in module order
+    (checked on ``batch``; CLIP's identical towers run vision first: See Note [blocks in the
+    order they ran])."""
+    if len(f.blocks) <= 2 or not identical(f.model, f.blocks):
+        return False
+    with batch_errors(f.model, batch), model_limits(f.model), run_order(f.model, f.blocks) as seen:
+        keeps = outputs_keep_shape(f.model, f.blocks[-1], f.batch, loss_fn)
+    return keeps and list(seen) == list(f.blocks)
 
 
 def _fast_estimate(
