@@ -148,8 +148,10 @@ def _build(
 
 def _fast(f: _Fake, batch: Batch, loss_fn: LossFn) -> bool:
     """Whether the blocks are identical, keep their input's shape and run in module order
-    (checked on ``batch``; CLIP's identical towers run vision first: See Note [blocks in the
-    order they ran])."""
+    (checked on ``batch``; CLIP's identical towers run vision first).
+
+    See Note [blocks in the order they ran].
+    """
     if len(f.blocks) <= 2 or not identical(f.model, f.blocks):
         return False
     with batch_errors(f.model, batch), model_limits(f.model), run_order(f.model, f.blocks) as seen:
