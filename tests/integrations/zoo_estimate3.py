@@ -102,4 +102,11 @@ ESTIMATE3: list[Entry] = [
           _lm_loss, _tokens(32), layers("model.layers", 4),
           covers="Jamba: Mamba and attention layers, experts through grouped_mm (four layers: with two, "
                  "full checkpointing saves nothing)", estimate=True),
+    Entry("transformers/recurrent_gemma",
+          _hf("recurrent_gemma", "AutoModelForCausalLM", num_hidden_layers=3, vocab_size=VOCAB,
+              hidden_size=32,
+              intermediate_size=64, num_attention_heads=2, num_key_value_heads=1, lru_width=32,
+              attention_window_size=16, head_dim=16, block_types=["recurrent", "recurrent", "attention"]),
+          _lm_loss, _tokens(16), layers("model.layers", 3),
+          covers="recurrent state and a use_cache flag passed to its layers by position", estimate=True),
 ]  # fmt: skip
