@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -132,7 +133,12 @@ def test_kill_9_then_resume_gives_the_same_losses_bit_for_bit(tmp_path, text_fil
 def test_ctrl_c_stops_after_the_step_and_saves_it(tmp_path, text_file) -> None:
     out = tmp_path / "interrupted"
     cmd = [sys.executable, "-m", "memfit.cli.main", "train", str(_config(tmp_path, text_file, out))]
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C as a terminal delivers it, even where this test runs in the background (a shell
+    # then starts its children with SIGINT ignored, which memfit train leaves as it is)
+    default = functools.partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    proc = subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default
+    )
     try:
         _wait_for_checkpoint(proc, out)
         proc.send_signal(signal.SIGINT)
