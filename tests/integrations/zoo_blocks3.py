@@ -7,29 +7,13 @@ keep their auxiliary classifiers, on by default without weights, and return them
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 from torch import nn
-from zoo import Batch, Entry, generator
-from zoo_vision import CLASSES
+from zoo import Entry
+from zoo_vision import _ce, _images, _timm, _tv  # the zoo's own builders
 
 #: The weight torchvision's own reference training gives each auxiliary classifier's loss.
 AUX_WEIGHT = 0.3
-
-
-def _images(size: int) -> Callable[[int], Batch]:
-    def make(n: int) -> Batch:
-        g = generator()
-        return torch.randn(n, 3, size, size, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
-
-    return make
-
-
-def _ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
 
 
 def _ce_with_aux(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -41,26 +25,6 @@ def _ce_with_aux(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> 
     for logits in aux:
         loss = loss + AUX_WEIGHT * nn.functional.cross_entropy(logits, y)
     return loss
-
-
-def _tv(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import torchvision
-
-        torch.manual_seed(0)
-        return torchvision.models.get_model(name, weights=None, num_classes=CLASSES, **kwargs).train()
-
-    return build
-
-
-def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import timm
-
-        torch.manual_seed(0)
-        return timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).train()
-
-    return build
 
 
 def _per_stage(fmt: str, depths: tuple[int, ...]) -> list[str]:

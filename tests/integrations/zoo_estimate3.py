@@ -6,63 +6,9 @@ Every setting not given here is the library's default.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-from torch import nn
-from zoo import Batch, Entry, generator, layers
-
-VOCAB = 96
-CLASSES = 10
-
-
-def _hf(kind: str, auto: str, **fields: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import transformers
-
-        torch.manual_seed(0)
-        config = transformers.AutoConfig.for_model(kind, **fields)
-        return getattr(transformers, auto).from_config(config).train()
-
-    return build
-
-
-def _timm(name: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import timm
-
-        torch.manual_seed(0)
-        return timm.create_model(name, pretrained=False, num_classes=CLASSES, **kwargs).train()
-
-    return build
-
-
-def _tokens(seq: int) -> Callable[[int], Batch]:
-    return lambda n: torch.randint(0, VOCAB, (n, seq), generator=generator())
-
-
-def _images(size: int) -> Callable[[int], Batch]:
-    def make(n: int) -> Batch:
-        g = generator()
-        return torch.randn(n, 3, size, size, generator=g), torch.randint(0, CLASSES, (n,), generator=g)
-
-    return make
-
-
-def _lm_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(input_ids=x, labels=x).loss
-
-
-def _image_loss_hf(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return model(pixel_values=x, labels=y).loss
-
-
-def _ce(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    x, y = batch
-    return nn.functional.cross_entropy(model(x), y)
-
+from zoo import Entry, layers
+from zoo_hf import VOCAB, _hf, _image_loss_hf, _lm_loss, _tokens  # the zoo's own builders
+from zoo_vision import CLASSES, _ce, _images, _timm
 
 _SMALL = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4
