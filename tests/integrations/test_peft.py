@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from zoo import Entry
+from zoo import PREDICTION, TOL, VARIANTS, Entry
 from zoo_peft import PEFT
 
 import memfit
@@ -29,15 +29,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-#: Checkpointed and plain steps run the same fp32 kernels; a recompute may reorder reductions.
-TOL = {"rtol": 1e-5, "atol": 1e-6}
-#: How far a plan's measured peak may be from its prediction.
-PREDICTION = 0.05
-VARIANTS: dict[str, dict[str, Any]] = {
-    "full": {"mode": "full"},
-    "selective": {"mode": "selective"},
-    "every2": {"mode": "full", "every": 2},
-}
 ENTRIES = [pytest.param(e, id=e.name) for e in PEFT]
 
 

@@ -21,22 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-from zoo import Entry, all_entries
+from zoo import PREDICTION, TOL, VARIANTS, Entry, all_entries
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-#: Checkpointed and plain steps run the same fp32 kernels; a recompute may reorder reductions.
-TOL = {"rtol": 1e-5, "atol": 1e-6}
-#: How far a plan's measured peak may be from its prediction.
-PREDICTION = 0.05
-VARIANTS: dict[str, dict[str, Any]] = {
-    "full": {"mode": "full"},
-    "selective": {"mode": "selective"},
-    "every2": {"mode": "full", "every": 2},
-}
 
 
 def _available(entry: Entry) -> Any:

@@ -23,6 +23,16 @@ from torch import nn
 
 Batch = Any
 
+#: Checkpointed and plain steps run the same fp32 kernels; a recompute may reorder reductions.
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+#: How far a plan's measured peak may be from its prediction.
+PREDICTION = 0.05
+VARIANTS: dict[str, dict[str, Any]] = {
+    "full": {"mode": "full"},
+    "selective": {"mode": "selective"},
+    "every2": {"mode": "full", "every": 2},
+}
+
 
 @dataclass
 class Entry:
