@@ -119,3 +119,36 @@ def test_training_under_a_plan_leaves_the_frozen_base_unchanged(entry: Entry) ->
         assert torch.equal(p.detach(), before[name]), f"frozen {name} changed"
     # peft starts lora_B at zero; the adapters did train
     assert any(not torch.equal(dict(model.named_parameters())[n].detach(), before[n]) for n in trainable)
+
+
+class _ThreeLayers(torch.nn.Module):
+    """A model of three named layers and no repeated block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _models() -> list[tuple[str, torch.nn.Module, list[str]]]:
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8))
+    out = [("three layers", _ThreeLayers(), ["a", "b"]), ("sequential", seq, ["0", "2"])]
+    tv = pytest.importorskip("torchvision")
+    out.append(("resnet18", tv.models.resnet18(num_classes=10), ["conv1", "conv2"]))
+    return out
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_adapters_never_change_which_blocks_a_model_has(index: int) -> None:
+    """LoRA on a model's own layers finds the plain model's blocks (none for three named
+    layers), never the adapters' ``lora_A``/``lora_B`` or the wrapped layers themselves."""
+    import peft
+
+    name, model, targets = _models()[index]
+    plain = memfit.find_blocks(model)
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=targets))
+    assert memfit.find_blocks(wrapped) == [f"base_model.model.{b}" for b in plain], name

@@ -63,7 +63,7 @@ from typing import Any
 from torch import nn
 
 from memfit.checkpointing.hf import hf_block_classes
-from memfit.checkpointing.structure import adds_input_back, declared_block_classes, is_head
+from memfit.checkpointing.structure import adapter_base, adds_input_back, declared_block_classes, is_head
 from memfit.errors import ConfigError
 
 __all__ = ["block_reasons", "find_blocks", "resolve_blocks"]
@@ -98,6 +98,9 @@ class _Tree:
             if self.params[id(c)]:
                 heights.append(self.height[id(c)])
         self.height[id(m)] = 1 + max(heights) if heights else 0
+        base = adapter_base(m)
+        if base is not None:  # See Note [adapters wrap a layer]
+            self.height[id(m)] = self.height[id(base)]
 
     def sequence(self, m: nn.Module) -> list[nn.Module]:
         if id(m) not in self._seq:
@@ -139,8 +142,11 @@ class _Tree:
         return not _generic(m) and adds_input_back(type(m))
 
     def sequences(self) -> Iterator[list[nn.Module]]:
+        sealed = {
+            id(d) for m in self.model.modules() if adapter_base(m) is not None for d in m.modules()
+        }  # See Note [adapters wrap a layer]
         for m in self.model.modules():
-            if id(m) in self.roots or id(m) in self.opaque:
+            if (id(m) in self.roots or id(m) in self.opaque) and id(m) not in sealed:
                 yield self.sequence(m)
 
 

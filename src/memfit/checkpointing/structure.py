@@ -27,7 +27,7 @@ import textwrap
 
 from torch import nn
 
-__all__ = ["adds_input_back", "declared_block_classes", "is_head"]
+__all__ = ["adapter_base", "adds_input_back", "declared_block_classes", "is_head"]
 
 _RESIDUAL: dict[type, bool] = {}
 
@@ -135,6 +135,30 @@ class _Residual:
 # connection. A stage (``x = self.downsample(x); x = self.blocks(x)``) adds nothing, a
 # fusion of several inputs (HRNet's ``y = y + fuse(x[j])``) adds no identity, and a position
 # embedding added to a stage's output is not computed from its input.
+
+
+def adapter_base(module: nn.Module) -> nn.Module | None:
+    """The layer an adapter wraps (peft's ``lora.Linear`` around a ``Linear``), else ``None``.
+
+    See Note [adapters wrap a layer].
+
+    Example:
+        >>> adapter_base(nn.Linear(4, 4)) is None
+        True
+    """
+    base = getattr(module, "base_layer", None)
+    if isinstance(base, nn.Module) and hasattr(type(module), "adapter_layer_names"):
+        return base
+    return None
+
+
+# Note [adapters wrap a layer]
+# ~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+# peft replaces each targeted layer by a tuner layer that holds the original as
+# ``base_layer`` beside its adapters (``lora_A``, ``lora_B``, ...), so the tree grows a level
+# where the user's model has a bare layer. Block finding reads a tuner layer as the layer it
+# wraps: ``self.fc1``/``self.fc2`` wrapped by LoRA are still a model's own two layers, not two
+# repeated blocks, and adapters never change which blocks a model has.
 
 
 def is_head(module: nn.Module, model: nn.Module) -> bool:
