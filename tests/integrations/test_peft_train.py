@@ -14,11 +14,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("transformers", reason="memfit[peft] extra (transformers) not installed")
 pytest.importorskip("peft", reason="memfit[peft] extra (peft) not installed")
 
-from memfit.app.build import build_model
+from memfit.app.build import build_model, store_frozen_base
 from memfit.app.config import load_config
 from memfit.app.run import train_from_config
 from memfit.cli.main import main
 from memfit.trainer.callbacks import read_metrics
+from memfit.levers import frozen
 from memfit.trainer.state import load_state
 
 STEPS = 6
@@ -101,7 +102,8 @@ def test_lora_section_trains_adapters_and_resumes_bit_for_bit(tmp_path: Path, te
     [
         ("model.lora.target_modules=['qproj']", "no module named 'qproj' to put adapters on"),
         ("model.lora.method='ia3'", "model.lora.method 'ia3' is not one of lora, dora"),
-        ("model.lora.base='nf4'", 'set model.lora.base = "fp32"'),
+        ("model.lora.base='int8'", 'set model.lora.base = "fp32", "bf16" or "nf4"'),
+        ("model.lora.base='bf16'", 'set memory.precision = "bf16" (or model.lora.base = "fp32")'),
         ("model.lora.dropout=1.5", "model.lora.dropout must be a finite number in [0, 1)"),
     ],
 )
@@ -113,3 +115,76 @@ def test_bad_adapter_settings_are_one_sentence_and_exit_2(
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "bad" / "state.pt").exists()
+
+
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal as stored: an NF4 weight's codes, block scales and their scales, bit for bit."""
+    if not frozen.is_nf4(x) or not frozen.is_nf4(y):
+        return not frozen.is_nf4(x) and not frozen.is_nf4(y) and torch.equal(x, y)
+    names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    return all(torch.equal(getattr(x, n).clone(), getattr(y, n).clone()) for n in names)
+
+
+@pytest.mark.parametrize("base", ["bf16", "nf4"])
+def test_a_bf16_or_nf4_base_trains_the_adapters_and_resumes_bit_for_bit(
+    tmp_path: Path, text_file: Path, base: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if base == "nf4":
+        pytest.importorskip("torchao", reason="frozen_nf4 needs torchao")
+    # n_embd 128: every projection's size divides NF4's 64 x 256 blocks
+    settings = [f"model.lora.base='{base}'", "memory.precision='auto'", "model.n_embd=128"]
+    straight = train_from_config(load_config(_config(tmp_path, text_file, "straight"), settings), progress=False)
+    line = capsys.readouterr().out
+    assert f"bf16, checkpointing full, cpu, frozen base {base} (" in line, line
+    assert straight.trainer.precision.mode == "bf16"
+    report = (tmp_path / "straight" / "report.md").read_text(encoding="utf-8")
+    assert "frozen base" in report and f"{base} (" in report
+    first = _config(tmp_path, text_file, "split", steps=3)
+    train_from_config(load_config(first, settings), progress=False, echo=_quiet)
+    cfg = load_config(first, [*settings, f"train.steps={STEPS}"])
+    resumed = train_from_config(cfg, resume=str(tmp_path / "split" / "state.pt"), progress=False, echo=_quiet)
+    assert resumed.resumed_from == 3
+    got = read_metrics(tmp_path / "split" / "metrics.jsonl")
+    assert [m.loss for m in got] == [m.loss for m in straight.history]  # bit for bit
+    assert [m.val_loss for m in got] == [m.val_loss for m in straight.history]
+    a = load_state(straight.state_path)["model"]
+    b = load_state(resumed.state_path)["model"]
+    assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    # the frozen base is a fresh build stored the same way; only the adapters trained
+    torch.manual_seed(3)
+    model = build_model(cfg.model).model
+    store_frozen_base(model, cfg.model.lora)
+    fresh = model.state_dict()
+    adapters = [k for k in a if "lora_" in k]
+    frozen_keys = [k for k in a if k not in adapters]
+    assert adapters and all(_same(a[k], fresh[k]) for k in frozen_keys)
+    assert any(not torch.equal(a[k], fresh[k]) for k in adapters)
+    assert all(a[k].dtype == torch.float32 for k in adapters)  # the adapters train in fp32
+    dtypes = {k: a[k].dtype for k in frozen_keys if not frozen.is_nf4(a[k])}
+    assert dtypes and set(dtypes.values()) == {torch.bfloat16}, dtypes
+    nf4 = [k for k in frozen_keys if frozen.is_nf4(a[k])]
+    assert (base == "nf4") == bool(nf4) and all("proj" in k for k in nf4)
+
+
+def test_an_nf4_base_with_nothing_to_quantize_is_refused_before_it_changes_the_model(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torchao", reason="frozen_nf4 needs torchao")
+    config = _config(tmp_path, text_file, "small")  # n_embd 32: no weight NF4's blocks divide
+    assert main(["train", str(config), "--set", "model.lora.base=nf4", "--set", "memory.precision=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "this model has none; set model.lora.base = \"bf16\"" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "small" / "state.pt").exists()
+
+
+def test_an_nf4_base_without_torchao_is_one_sentence_and_nothing_is_written(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(frozen, "nf4_available", lambda: False)
+    monkeypatch.setattr("memfit.app.build.nf4_available", lambda: False)
+    config = _config(tmp_path, text_file, "bad")
+    assert main(["train", str(config), "--set", "model.lora.base=nf4", "--set", "memory.precision=bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "torchao is not installed: `pip install torchao` adds it" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "bad").exists()
