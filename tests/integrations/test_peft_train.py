@@ -18,8 +18,8 @@ from memfit.app.build import build_model, store_frozen_base
 from memfit.app.config import load_config
 from memfit.app.run import train_from_config
 from memfit.cli.main import main
-from memfit.trainer.callbacks import read_metrics
 from memfit.levers import frozen
+from memfit.trainer.callbacks import read_metrics
 from memfit.trainer.state import load_state
 
 STEPS = 6
@@ -133,7 +133,9 @@ def test_a_bf16_or_nf4_base_trains_the_adapters_and_resumes_bit_for_bit(
         pytest.importorskip("torchao", reason="frozen_nf4 needs torchao")
     # n_embd 128: every projection's size divides NF4's 64 x 256 blocks
     settings = [f"model.lora.base='{base}'", "memory.precision='auto'", "model.n_embd=128"]
-    straight = train_from_config(load_config(_config(tmp_path, text_file, "straight"), settings), progress=False)
+    straight = train_from_config(
+        load_config(_config(tmp_path, text_file, "straight"), settings), progress=False
+    )
     line = capsys.readouterr().out
     assert f"bf16, checkpointing full, cpu, frozen base {base} (" in line, line
     assert straight.trainer.precision.mode == "bf16"
@@ -173,7 +175,7 @@ def test_an_nf4_base_with_nothing_to_quantize_is_refused_before_it_changes_the_m
     config = _config(tmp_path, text_file, "small")  # n_embd 32: no weight NF4's blocks divide
     assert main(["train", str(config), "--set", "model.lora.base=nf4", "--set", "memory.precision=bf16"]) == 2
     err = capsys.readouterr().err
-    assert "this model has none; set model.lora.base = \"bf16\"" in err and len(err.strip().splitlines()) == 1
+    assert 'this model has none; set model.lora.base = "bf16"' in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "small" / "state.pt").exists()
 
 
@@ -188,3 +190,25 @@ def test_an_nf4_base_without_torchao_is_one_sentence_and_nothing_is_written(
     assert "torchao is not installed: `pip install torchao` adds it" in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "bad").exists()
+
+
+def test_set_model_lora_base_nf4_trains_the_built_in_gpt_with_its_linears_in_nf4(
+    tmp_path: Path, text_file: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torchao", reason="frozen_nf4 needs torchao")
+    out = tmp_path / "gpt"
+    settings = [
+        "model.name=gpt", "model.n_layer=2", "model.n_embd=128", "model.n_head=4", "model.block_size=16",
+        "model.lora.rank=4", "model.lora.target_modules=['qkv']", "model.lora.base=nf4",
+        "memory.precision=auto", f"data.path={text_file}", "train.batch_size=2", "train.steps=2",
+        "train.eval_every=0", f"train.out={out}",
+    ]  # fmt: skip
+    assert main(["train", *(a for s in settings for a in ("--set", s)), "--quiet"]) == 0
+    state = load_state(out / "state.pt")["model"]
+    nf4 = sorted(k for k, v in state.items() if frozen.is_nf4(v))
+    # every frozen Linear but the output head is NF4 (the adapted qkv's base weight too); the rest bf16
+    assert nf4 and all(k.endswith(("qkv.base_layer.weight", "proj.weight", "fc.weight")) for k in nf4), nf4
+    assert not any("head" in k for k in nf4)
+    rest = {v.dtype for k, v in state.items() if "lora_" not in k and k not in nf4 and v.is_floating_point()}
+    assert rest == {torch.bfloat16}, rest
+    assert {state[k].dtype for k in state if "lora_" in k} == {torch.float32}
