@@ -212,3 +212,27 @@ def test_set_model_lora_base_nf4_trains_the_built_in_gpt_with_its_linears_in_nf4
     rest = {v.dtype for k, v in state.items() if "lora_" not in k and k not in nf4 and v.is_floating_point()}
     assert rest == {torch.bfloat16}, rest
     assert {state[k].dtype for k in state if "lora_" in k} == {torch.float32}
+
+
+def test_memfit_plan_from_the_config_plans_the_base_as_train_stores_it(
+    tmp_path: Path, text_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memfit.cli.plan as plan_cli
+
+    seen: dict[str, set[torch.dtype]] = {}
+    planner = plan_cli.plan
+
+    def spy(model: torch.nn.Module, *args: object, **kwargs: object) -> object:
+        seen["frozen"] = {p.dtype for p in model.parameters() if not p.requires_grad}
+        seen["trained"] = {p.dtype for p in model.parameters() if p.requires_grad}
+        return planner(model, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(plan_cli, "plan", spy)
+    config = _config(tmp_path, text_file, "planned")
+    out = tmp_path / "plan.json"
+    settings = ["model.lora.base=bf16", "memory.precision=auto"]
+    assert main(["plan", str(config), *(a for s in settings for a in ("--set", s)), "--budget", "90%",
+                 "--out", str(out), "--no-check"]) == 0  # fmt: skip
+    assert seen == {"frozen": {torch.bfloat16}, "trained": {torch.float32}}
+    plan = json.loads(out.read_text(encoding="utf-8"))
+    assert plan["precision"] == "bf16"  # auto is bf16 for a bf16 base, as memfit train runs it
