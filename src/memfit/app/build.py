@@ -25,12 +25,15 @@ from typing import Any
 
 from torch import nn
 
-from memfit.app.config import ModelConfig
+from memfit.app.config import FROZEN_BASES, Config, LoraConfig, ModelConfig
 from memfit.errors import ConfigError
+from memfit.levers.apply import frozen_levers
+from memfit.levers.frozen import is_nf4, nf4_available, nf4_linears
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.spec import ModelSpec
+from memfit.vocab import PrecisionChoice
 
-__all__ = ["build_model", "load_factory"]
+__all__ = ["base_refusal", "build_model", "load_factory", "run_precision", "store_frozen_base"]
 
 
 def load_factory(target: str) -> Callable[..., Any]:
@@ -65,6 +68,74 @@ def build_model(cfg: ModelConfig) -> ModelSpec:
             method=lora.method,
         )
     return spec
+
+
+def base_refusal(lora: LoraConfig) -> str | None:
+    """Why ``model.lora.base`` cannot be stored on this machine (a sentence naming the fix), or None.
+
+    Example:
+        >>> base_refusal(LoraConfig(rank=8, base="bf16")) is None
+        True
+    """
+    if lora.rank > 0 and "frozen_nf4" in FROZEN_BASES.get(lora.base, ()) and not nf4_available():
+        return (
+            f"model.lora.base = {lora.base!r} stores the frozen base in NF4 through torchao's NF4Tensor, and "
+            'torchao is not installed: `pip install torchao` adds it, or set model.lora.base = "bf16".'
+        )
+    return None
+
+
+def store_frozen_base(model: nn.Module, lora: LoraConfig) -> str:
+    """Store the frozen base of an adapted ``model`` as ``lora.base`` says, in place (before its
+    optimizer is built); returns how it is stored, for the run's report.
+
+    See Note [the frozen base's storage]. A model without adapters (rank 0) is left as built.
+
+    Raises:
+        ConfigError: the base needs torchao, which is not installed (:func:`base_refusal`), or
+            ``"nf4"`` finds no weight to quantize; nothing is changed.
+
+    Example:
+        >>> import torch
+        >>> lin = torch.nn.Linear(4, 4).requires_grad_(False)
+        >>> store_frozen_base(lin, LoraConfig(rank=8, base="bf16"))
+        'bf16 (20 frozen values in bf16, no fp32 copy)'
+        >>> lin.weight.dtype
+        torch.bfloat16
+    """
+    if lora.rank == 0 or not FROZEN_BASES.get(lora.base):
+        return "fp32 (as built)"
+    why = base_refusal(lora)
+    if why is not None:
+        raise ConfigError(why)
+    if lora.base == "nf4" and not nf4_linears(model):
+        raise ConfigError(
+            "model.lora.base = 'nf4' quantizes frozen nn.Linear weights (not the output head) whose size "
+            '64 x 256 divides, and this model has none; set model.lora.base = "bf16".'
+        )
+    frozen_levers(model, None, list(FROZEN_BASES[lora.base]))
+    seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters() if not p.requires_grad}
+    nf4 = sum(p.numel() for p in seen.values() if is_nf4(p))
+    rest = sum(p.numel() for p in seen.values() if not is_nf4(p) and p.is_floating_point())
+    if lora.base == "bf16":
+        return f"bf16 ({rest:,} frozen values in bf16, no fp32 copy)"
+    return f"nf4 ({nf4:,} frozen Linear values in NF4 through torchao, the other {rest:,} in bf16)"
+
+
+def run_precision(cfg: Config) -> PrecisionChoice:
+    """``memory.precision``, with ``"auto"`` made ``"bf16"`` for a bf16 or NF4 frozen base (which
+    computes in bf16: See Note [the frozen base's storage]).
+
+    Example:
+        >>> from memfit.app.config import load_config
+        >>> run_precision(load_config(None, ["model.name='hf:llama'", "model.lora.rank=4",
+        ...                                  "model.lora.base='bf16'"]))
+        'bf16'
+    """
+    lora = cfg.model.lora
+    if lora.rank > 0 and FROZEN_BASES.get(lora.base) and cfg.memory.precision == "auto":
+        return "bf16"
+    return cfg.memory.precision
 
 
 def _base_model(cfg: ModelConfig) -> ModelSpec:

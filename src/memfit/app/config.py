@@ -69,12 +69,18 @@ MAX_CONFIG_BYTES = 4 * 2**20
 MAX_DEPTH = 32
 
 
-#: How ``[model.lora]`` may store the frozen base, and the lever that stores it so.
+#: How ``[model.lora]`` may store the frozen base, and the levers that store it so.
 # Note [the frozen base's storage]
-# "fp32" keeps the base as built. A bf16 or 4-bit (NF4, QLoRA) base is a lever of the
-# planner (the frozen-weights levers); each value added here names its lever, which
-# memfit train then asks memfit.plan for.
-FROZEN_BASES: dict[str, str] = {"fp32": ""}
+# "fp32" keeps the base as built. "bf16" and "nf4" (QLoRA) are memfit.levers.frozen's levers,
+# applied by memfit.app.build.store_frozen_base once the model is on its device, before the
+# optimizer is built, so every step (and a plan, measuring the model as stored) sees the
+# smaller base. "nf4", like QLoRA, holds the frozen nn.Linear weights in NF4 and the rest
+# (embeddings, norms, the head: See Note [what NF4 replaces]) in bf16: both compute in bf16.
+FROZEN_BASES: dict[str, tuple[str, ...]] = {
+    "fp32": (),
+    "bf16": ("frozen_bf16",),
+    "nf4": ("frozen_nf4", "frozen_bf16"),
+}
 
 
 @dataclass(kw_only=True)
@@ -93,7 +99,8 @@ class LoraConfig:
     method: str = "lora"
     """``"lora"`` or ``"dora"`` (weight-decomposed LoRA)."""
     base: str = "fp32"
-    """How the frozen base weights are stored: ``"fp32"`` (as built); see Note [the frozen base's storage]."""
+    """How the frozen base is stored: ``"fp32"`` (as built), ``"bf16"`` or ``"nf4"`` (QLoRA's 4-bit
+    NormalFloat through torchao, the rest in bf16); See Note [the frozen base's storage]."""
 
 
 @dataclass(kw_only=True)
@@ -293,6 +300,7 @@ def validate_config(cfg: Config) -> None:
         )
     _memory(cfg.memory)
     _lora(cfg.model)
+    _base_precision(cfg)
     if cfg.model.name != "gpt" and not cfg.model.name.startswith(("import:", "hf:")):
         raise ConfigError(
             f"model.name {shown(cfg.model.name)} is not 'gpt', 'hf:NAME' (e.g. hf:gpt2) or "
@@ -348,12 +356,22 @@ def _lora(model: ModelConfig) -> None:
     if lora.base not in FROZEN_BASES:
         raise ConfigError(
             f"model.lora.base {shown(lora.base)} is not one this memfit stores the frozen base in "
-            f'({", ".join(FROZEN_BASES)}); set model.lora.base = "fp32".'
+            f'({", ".join(FROZEN_BASES)}); set model.lora.base = "fp32", "bf16" or "nf4".'
         )
     if model.name == "gpt" and not lora.target_modules:
         raise ConfigError(
             "model.lora.target_modules is empty, and peft has no default for the built-in GPT; name its "
             'Linear layers, e.g. target_modules = ["qkv", "proj"].'
+        )
+
+
+def _base_precision(cfg: Config) -> None:
+    """A bf16 or NF4 frozen base computes in bf16 (See Note [the frozen base's storage])."""
+    base, precision = cfg.model.lora.base, cfg.memory.precision
+    if cfg.model.lora.rank > 0 and FROZEN_BASES.get(base) and precision not in ("bf16", "auto"):
+        raise ConfigError(
+            f"model.lora.base = {shown(base)} keeps the frozen base in {base}, so the step computes in bf16, "
+            f'not {precision}; set memory.precision = "bf16" (or model.lora.base = "fp32").'
         )
 
 

@@ -159,6 +159,7 @@ def _train_joined(
     echo(
         f"memfit train: {built.model_name} ({built.n_params / 1e6:.2f}M parameters) on {built.data_text}, "
         f"{trainer.precision.mode}, checkpointing {built.checkpointing_text}, {device}"
+        + (f", frozen base {built.base_text}" if built.base_text else "")
         + (f" x {dist_ctx.world_size} ({dist_ctx.mode})" if dist_ctx.active else "")
         + "; "
         + (f"resuming at step {resumed_from}, " if resumed_from is not None else "")
@@ -183,6 +184,8 @@ def _train_joined(
         )
     history = read_metrics(files["metrics"])
     settings = run_settings(cfg, trainer, built.n_params, built.data_text, built.checkpointing_text)
+    if built.base_text:
+        settings["frozen base"] = built.base_text
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
     notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
     notes += [f"planning: {m}" for m in built.plan.measured] if built.plan is not None else []

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from memfit.app.build import build_model
+from memfit.app.build import base_refusal, build_model, run_precision, store_frozen_base
 from memfit.app.config import Config
 from memfit.app.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.app.dist_plan import plan_for_ranks
@@ -61,11 +61,14 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
 
     Raises:
         ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
-            (without ``resume`` or ``overwrite``); the device is not here; or
+            (without ``resume`` or ``overwrite``); the device is not here;
             ``checkpointing = "auto"`` lacks a budget, or the budget is more than the device
-            has room for.
+            has room for; or ``model.lora.base`` needs torchao, which is not installed.
         StateError: the state key cannot be read or made.
     """
+    why = base_refusal(cfg.model.lora)
+    if why is not None:
+        raise ConfigError(why)
     out = check_output_dir(cfg.train.out, "train.out")
     if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
         raise ConfigError(
@@ -98,6 +101,8 @@ class BuiltRun:
     """``memory.budget`` in bytes, once known (a percentage is resolved by the planner)."""
     n_params: int
     model_name: str
+    base_text: str = ""
+    """How the frozen base of ``[model.lora]`` is stored ("" without adapters)."""
     plan: Plan | None = None
     profiles: dict[str, Profile] = field(default_factory=dict)
 
@@ -151,7 +156,7 @@ def _plan(
     what planning measured, for a re-plan after running out of memory."""
     if cfg.memory.checkpointing != "auto":
         return None
-    batch, budget, precision = sampler.batch_at(0), cfg.memory.budget, cfg.memory.precision
+    batch, budget, precision = sampler.batch_at(0), cfg.memory.budget, run_precision(cfg)
     if dist_ctx.active:
         # Planned on rank 0 for one rank's memory; every rank gets the same plan.
         return plan_for_ranks(model, batch, spec.loss_fn, budget, opt, precision, dist_ctx)
@@ -167,13 +172,14 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     budget_text = cfg.memory.budget
     # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
     budget = Budget.parse(budget_text, what="memory.budget").bytes if budget_text else None
-    precision = Precision(cfg.memory.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
+    precision = Precision(run_precision(cfg), device=device, fp32_modules=cfg.memory.fp32_modules)
     torch.manual_seed(cfg.train.seed)
     random.seed(cfg.train.seed)
     np.random.seed(cfg.train.seed)
     spec = build_model(cfg.model)
     sampler, val_batches, data_text = _data(cfg, spec)
     model = spec.model.to(device)
+    base_text = store_frozen_base(model, cfg.model.lora) if cfg.model.lora.rank > 0 else ""
     opt = cfg.optimizer.make(model.parameters())
     profiles: dict[str, Profile] = {}
     with configured(quiet=True) if progress is False else nullcontext():  # --quiet: no planning lines
@@ -218,6 +224,7 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
         budget=budget,
         n_params=n_params,
         model_name=model_name,
+        base_text=base_text,
         plan=chosen,
         profiles=profiles,
     )

@@ -1,5 +1,9 @@
 """``memfit estimate``: a training step's memory for every precision x checkpointing mode, allocating nothing.
 
+With a ``[model.lora]`` table (adapters), it also prints the adapter step on rows of its own
+(frozen base, adapters, their gradients and optimizer state, activations, temporaries) for
+each way of storing the frozen base: fp32, bf16 and NF4 (:mod:`memfit.report.adapter_table`).
+
 Example:
     memfit estimate --set model.n_layer=12 --set model.n_embd=768 --device-memory 24GiB
     memfit estimate --set model.name=import:memfit.models.llama:llama --set model.kwargs.preset=7b \\
@@ -9,8 +13,10 @@ Example:
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
 from memfit.app.build import build_model
+from memfit.app.config import FROZEN_BASES, Config
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.advice import speed_order
 from memfit.cli.common import config_from_args, zero_grads_note
@@ -19,12 +25,14 @@ from memfit.devices import DeviceFacts, device_facts, resolve_device, slow_preci
 from memfit.errors import ConfigError
 from memfit.levers.spec import allowed_levers, missing_torchao_hint, normalize_levers
 from memfit.measuring.estimate import estimate
-from memfit.planning.lever_sets import smallest_with_levers
-from memfit.records import Estimate, EstimateEntry
+from memfit.planning.lever_sets import lever_profiles, smallest_with_levers, usable_levers
+from memfit.records import Estimate, EstimateEntry, Profile
+from memfit.report.adapter_table import adapter_table
 from memfit.report.memory_tables import head_table, strategy_table, verdict_line
+from memfit.stepmodel import simulate
 from memfit.vocab import PRECISIONS
 
-__all__ = ["check", "run"]
+__all__ = ["AdapterColumns", "adapter_columns", "adapter_lines", "check", "run"]
 
 
 def check(args: argparse.Namespace) -> None:
@@ -69,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     spec = spec_for(cfg, meta=True)
     batch = batch_for(spec, cfg)
+    lora = cfg.model.lora.rank > 0
     est = estimate(
         lambda: build_model(cfg.model).model,
         batch,
@@ -76,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn(cfg),
         device_memory=memory,
         precisions=args.precision or PRECISIONS,
-        levers=bool(args.levers),
+        levers=bool(args.levers) or lora,  # an adapter step's rows need the frozen weights' facts
     )
     refused: dict[str, str] = {}
     if args.levers:
@@ -102,7 +111,10 @@ def run(args: argparse.Namespace) -> int:
     grads = zero_grads_note(e.breakdown for e in ordered)
     if grads:
         print(f"({grads}.)")
-    for precision, prof in est.profiles.items() if args.levers else ():
+    if lora:
+        print()
+        print("\n".join(adapter_lines(est, cfg, "chunked_loss" in normalize_levers(args.levers), memory)))
+    for precision, prof in est.profiles.items() if args.levers or lora else ():
         table = head_table(prof.lever_facts.head if prof.lever_facts else None, precision)
         if table is not None and precision != "fp16":  # fp16's head is bf16's (Note [fp16 is bf16's memory])
             print()
@@ -124,6 +136,88 @@ def run(args: argparse.Namespace) -> int:
         if hint is not None and est.with_levers is not None:
             print(f"{hint[0].upper()}{hint[1:]}.")
     return 0
+
+
+def _smallest(prof: Profile, levers: list[str]) -> EstimateEntry:
+    """The smallest uniform checkpointing mode of ``prof`` (levers applied), as an entry."""
+    best: EstimateEntry | None = None
+    for mode in sorted({m for b in prof.blocks for m in b.saved_bytes} or {"none"}):
+        sim = simulate(prof, mode)
+        if best is None or sim.peak_bytes < best.peak_bytes:
+            best = EstimateEntry(prof.precision, mode, sim.peak_bytes, sim.breakdown, levers=list(levers))
+    assert best is not None
+    return best
+
+
+@dataclass
+class AdapterColumns:
+    """The adapter step's predicted entries, one per frozen-base choice (:func:`adapter_columns`)."""
+
+    columns: list[tuple[str, EstimateEntry]] = field(default_factory=list)
+    trained: int = 0
+    """Trainable elements (the adapters)."""
+    adapter_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+    """Choices that could not be predicted, and why."""
+
+
+def adapter_columns(est: Estimate, chunked: bool) -> AdapterColumns | None:
+    """At bf16, the smallest uniform-mode step for each frozen base of
+    :data:`memfit.app.config.FROZEN_BASES` (each also with ``chunked_loss`` if ``chunked``); None
+    when the estimate has no bf16 profile with lever facts (``memfit.estimate(levers=True)``).
+
+    Example (what ``memfit estimate`` prints with ``--set model.lora.rank=16``):
+        ``adapter_columns(memfit.estimate(model_fn, batch, loss_fn, opt_fn, levers=True), True)``
+        has the columns ``fp32 base``, ``fp32 + chunked``, ... ``nf4 + chunked``.
+    """
+    prof = est.profiles.get("bf16")
+    if prof is None or prof.lever_facts is None:
+        return None
+    facts = prof.lever_facts
+    out = AdapterColumns(trained=sum(sum(v) for v in facts.params.values()))
+    out.adapter_bytes = out.trained * facts.weight_bytes
+    unpredicted: dict[str, list[str]] = {}
+    for base, frozen in FROZEN_BASES.items():
+        for chunk in (False, True) if chunked else (False,):
+            levers = [*frozen, *(["chunked_loss"] if chunk else [])]
+            label = f"{base} {'+ chunked' if chunk else 'base'}"
+            _, refused = usable_levers({"bf16": prof}, levers)
+            why = "; ".join(refused.values())
+            if not why:
+                try:
+                    out.columns.append(
+                        (label, _smallest(lever_profiles({"bf16": prof}, levers)["bf16"], levers))
+                    )
+                except ConfigError as exc:
+                    why = str(exc)
+            if why:
+                unpredicted.setdefault(why.rstrip("."), []).append(label)
+    out.notes = [f"{', '.join(labels)}: not predicted, {why}" for why, labels in unpredicted.items()]
+    return out
+
+
+def adapter_lines(est: Estimate, cfg: Config, chunked: bool, memory: int | None) -> list[str]:
+    """The adapter step's table (:func:`adapter_columns`) and the lines under it.
+
+    Example: ``print("\\n".join(adapter_lines(est, cfg, chunked=True, memory=None)))``.
+    """
+    got = adapter_columns(est, chunked)
+    if got is None:
+        return [
+            "adapter step: estimated at bf16, where the bf16 and NF4 bases compute; add --precision bf16."
+        ]
+    lines = (
+        [adapter_table(got.columns, got.adapter_bytes, memory, "adapter step, bf16")] if got.columns else []
+    )
+    state = got.columns[0][1].breakdown.get("optimizer", 0) if got.columns else 0
+    lines.append(
+        f"({got.trained:,} of {est.param_count:,} parameters train; their whole gradient, "
+        f"{format_bytes(got.adapter_bytes)} in fp32, lives from the backward to the optimizer step, their "
+        f"{est.optimizer} state is {format_bytes(state)}, the frozen base has neither; "
+        + ("chunked: with chunked_loss; " if any("chunked" in c for c, _ in got.columns) else "")
+        + f"memfit train stores the base as model.lora.base says, {cfg.model.lora.base!r})"
+    )
+    return lines + [f"({n})" for n in got.notes]
 
 
 def _speed_facts(device: str) -> DeviceFacts | None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from memfit.app.build import build_model
+from memfit.app.build import build_model, store_frozen_base
 from memfit.app.config import Config
 from memfit.devices import resolve_device
 from memfit.models.spec import ModelSpec
@@ -17,12 +17,16 @@ __all__ = ["batch_for", "describe", "optimizer_fn", "run_device", "spec_for"]
 
 
 def spec_for(cfg: Config, meta: bool = False) -> ModelSpec:
-    """Build the configured model (on the meta device: no memory, for its shapes and loss)."""
+    """Build the configured model (on the meta device: no memory, for its shapes and loss), its
+    frozen base stored as ``model.lora.base`` says (as ``memfit train`` stores it; not on meta)."""
     torch.manual_seed(cfg.train.seed)
     if meta:
         with torch.device("meta"):
             return build_model(cfg.model)
-    return build_model(cfg.model)
+    spec = build_model(cfg.model)
+    if cfg.model.lora.rank > 0:
+        store_frozen_base(spec.model, cfg.model.lora)
+    return spec
 
 
 def batch_for(spec: ModelSpec, cfg: Config, device: torch.device | None = None) -> Batch:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.app.build import run_precision
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
@@ -65,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     """Build the model, plan it under the budget, print the plan and write plan.json."""
     cfg = config_from_args(args)
     budget = Budget.parse(_budget_text(args, cfg.memory.budget))
-    precisions = args.precision or [cfg.memory.precision]
+    precisions = args.precision or [run_precision(cfg)]
     device = run_device(cfg)
     choose = candidate_precisions(precisions[0] if len(precisions) == 1 else precisions, device)
     spec = spec_for(cfg)

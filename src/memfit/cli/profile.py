@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from memfit.app.build import run_precision
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.common import config_from_args, zero_grads_note
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
@@ -43,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.device_memory, what="device memory")
     cfg = config_from_args(args)
     device = run_device(cfg)
-    precision = Precision(args.precision or cfg.memory.precision, device=device)
+    precision = Precision(args.precision or run_precision(cfg), device=device)
     spec = spec_for(cfg)
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
