@@ -7,7 +7,8 @@ numeric risk (no lever; the frozen weights in bf16; the state in bf16, then 8 bi
 4 bits; bf16 weights; the frozen weights in NF4: See Note [NF4 last]), each
 without and then with the fused step (exact, but its clipping runs the backward twice),
 each of those without and then with the chunked loss head (exact to fp32 rounding; the
-model's output loses its logits), and keeps the first whose plan fits. Every set is
+model's output loses its logits; at the largest chunk size that fits, as
+:func:`plan_lever_set` tells), and keeps the first whose plan fits. Every set is
 predicted from the same profiles (:func:`memfit.stepmodel.with_levers.with_levers`, a pure
 function): no lever set costs a step.
 
@@ -215,15 +216,18 @@ def head_chunk_ladder(profiles: Mapping[str, Profile]) -> list[int]:
 
 
 # Note [the largest chunk that fits]
-# The chunk size of chunked_loss changes no numerics and only the head's bytes and speed:
-# one chunk's logits are made at a time, and a smaller chunk runs more, smaller matmuls
-# (one Python iteration each). So it is a setting of the lever, chosen inside each lever
-# set that has it: the default chunk first (2**23 // vocab tokens, 32 MiB of fp32 logits,
-# as fast as any smaller on a CPU here), then each smaller rung of the ladder
-# (memfit.stepmodel.head_chunks.chunk_ladder: /4 per rung, down to 1 token), and the first
-# that has a plan that fits is kept: the largest chunk that fits, the default when it does.
-# A lever set without chunked_loss that fits comes before it in the order, so a small
-# head is never chunked to fit.
+# The chunk size of chunked_loss changes no numerics, only the head's bytes and speed: one
+# chunk's logits are made at a time, and a smaller chunk runs more, smaller matmuls (one
+# Python iteration each). So it is a setting of the lever, chosen inside each lever set
+# that has it: the default chunk first (2**23 // vocab tokens, 32 MiB of fp32 logits:
+# matmuls large enough to run at speed; much smaller chunks are slower), then each smaller
+# rung of the ladder (memfit.stepmodel.head_chunks.chunk_ladder: /4 per rung, down to 1
+# token), and the first rung with a plan that fits is kept: the largest chunk that fits,
+# the default when it does. At the default chunk the plan may use checkpointing or
+# micro-batches (the time model prices micro-batches as the same work), so a smaller
+# chunk is chosen only when no plan at a larger one fits (e.g. a batch of one row). A
+# lever set without chunked_loss comes before it in the order, so a small head is never
+# chunked when a plan without the lever fits.
 
 
 def plan_lever_set(
