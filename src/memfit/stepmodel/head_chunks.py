@@ -49,8 +49,10 @@ LADDER_RUNGS = 5
 # chunk sizes. The two measured (memfit.measuring.lever_facts.head_facts) are the ladder's
 # ends, the default and the smallest, so every rung between is interpolated; were two
 # moments to trade the peak, the chord of a maximum of lines lies above it, so a rung
-# between is over-predicted, never under. A chunk counts at most the step's tokens (the
-# last, or only, chunk is the rest). With micro-batches the step model scales the head's
+# between is over-predicted, never under. (On a CPU MemTracker counts each tensor's bytes
+# exactly; on CUDA it rounds each to 512 bytes, a few KiB on the c-long vectors.) A chunk
+# counts at most the step's tokens (the last, or only, chunk is the rest). With
+# micro-batches the step model scales the head's
 # bytes by the micro-batch's share of tokens; one chunk's part, b * c, does not shrink
 # while the chunk is smaller than the tokens, so for a chunk below the step's tokens it is
 # kept whole (chunk_fixed_bytes): exact with one micro-batch and with chunks no larger
