@@ -29,7 +29,19 @@ def _kib(cell: str) -> float:
 
 def test_profile_shows_the_head_plain_and_chunked(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", *LLAMA, "--repeats", "1", "--quiet"]) == 0
-    title, (plain, chunked) = _head_rows(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    title, (plain, chunked) = _head_rows(out)
+    # the smaller chunks the planner may choose, each on its own row, peaks falling with the chunk
+    lines = out.splitlines()
+    at = lines.index(chunked)
+    smaller = lines[at + 1 : at + 4]
+    assert [r.split("  ")[0] for r in smaller] == [
+        "chunked_loss, 4 chunks of 32 tokens (predicted)",
+        "chunked_loss, 16 chunks of 8 tokens (predicted)",
+        "chunked_loss, 64 chunks of 2 tokens (measured)",
+    ]
+    peaks = [_kib(re.split(r"\s{2,}", row)[2]) for row in (chunked, *smaller)]
+    assert peaks == sorted(peaks, reverse=True) and peaks[-1] < peaks[0]
     assert "128 tokens x 32,000 vocabulary" in title
     # 262 tokens a chunk at a 32k vocabulary (32 MiB of fp32 logits): these 128 are one chunk
     assert plain.startswith("plain") and chunked.startswith("chunked_loss, 1 chunk of 128 tokens")

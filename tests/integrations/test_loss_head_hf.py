@@ -182,6 +182,42 @@ def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
     assert abs(predicted - chunked) <= 0.05 * chunked
 
 
+@pytest.mark.parametrize("kind", ["qwen2", "phi"])
+def test_the_chunk_size_is_applied_and_predicted_at_a_third_size(kind: str) -> None:
+    """Tied (Qwen2) and biased (Phi) heads at 16k: the head is measured at the default chunk
+    (all 192 tokens) and at the ladder's smallest; a step at 48 tokens a chunk, applied from
+    the plan, is predicted within 5% of MemTracker's count."""
+    import memfit
+    from memfit.measuring.lever_facts import attach_lever_facts
+    from memfit.measuring.preserve import preserved
+    from memfit.measuring.profile import Profiler
+    from memfit.precision import Precision
+    from memfit.stepmodel import simulate
+    from memfit.stepmodel.head_chunks import at_chunk
+    from memfit.stepmodel.with_levers import with_levers
+
+    model, batch = _big(kind), _big_batch()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    with preserved(model, opt):
+        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
+        profiler.none()
+        profile = attach_lever_facts(
+            profiler.result(), model, opt, memfit.find_blocks(model), (batch, labels_loss)
+        )
+    head = profile.lever_facts.head
+    assert head.default_chunk_tokens == 192 and head.small_chunk_tokens == 3
+    plan = Plan(blocks={}, levers=["chunked_loss"], loss_chunk_tokens=48)
+    apply_levers(model, opt, plan)
+    assert chunked_head_of(model) == 48
+    remove_levers(model, opt)
+    chunked = _measured(model, batch, opt, plan)
+    default = _measured(model, batch, opt, Plan(blocks={}, levers=["chunked_loss"]))
+    predicted = simulate(with_levers(at_chunk(profile, 48), ["chunked_loss"]), "none").peak_bytes
+    print(f"{kind}: default chunk {default:,} B; 48 tokens a chunk {chunked:,} B, predicted {predicted:,} B")
+    assert chunked < default
+    assert abs(predicted - chunked) <= 0.05 * chunked
+
+
 def test_plan_chooses_the_head_lever_only_when_it_is_needed_to_fit() -> None:
     """A Qwen2-style decoder (tied embeddings) at a 32k vocabulary, labels=: 0.5x the plain peak
     fits with the head lever alone; a budget the plain step meets uses no lever."""

@@ -34,7 +34,8 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
     A state lever or ``weights_bf16`` returns a new optimizer (torchao's AdamW, same param
     groups and hyper-parameters); otherwise ``optimizer`` itself. ``weights_bf16`` casts the
     weights in place; ``fused_step`` installs the hooks; ``offload`` wraps ``plan.offload``;
-    ``chunked_loss`` makes the model compute its loss in chunks (:mod:`memfit.levers.head`);
+    ``chunked_loss`` makes the model compute its loss in chunks of ``plan.loss_chunk_tokens``
+    tokens (0: the default for its vocabulary; :mod:`memfit.levers.head`);
     ``frozen_bf16`` casts the frozen weights to bf16 in place and ``frozen_nf4`` replaces frozen
     Linear weights by NF4 ones, in the optimizer's param groups too (:mod:`memfit.levers.frozen`).
     Levers of an earlier plan that this one does not use are taken off (bf16 and NF4 weights stay).
@@ -64,7 +65,7 @@ def apply_levers(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan)
         offload_blocks(model, plan.offload)
     remove_chunked_head(model)
     if "chunked_loss" in levers:
-        install_chunked_head(model)
+        install_chunked_head(model, plan.loss_chunk_tokens or None)
     if "fused_step" in levers:
         FusedStep(new)
     return new

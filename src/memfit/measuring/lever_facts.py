@@ -56,6 +56,7 @@ from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
 from memfit.records import HeadCost, HeadFacts, LeverFacts, Profile
 from memfit.records.lever_facts import FrozenFacts
+from memfit.stepmodel.head_chunks import chunk_ladder
 from memfit.stepmodel.with_levers import temp_key
 from memfit.vocab import WEIGHTS
 
@@ -206,7 +207,8 @@ def lever_facts(
 # of both heads is linear in the tokens (logits, their fp32 copies, softmax and gradients:
 # tokens x vocab; hidden-state gradients: tokens x hidden; chunks and the weight's gradient:
 # constant), so above 4 chunks the head is measured at 2 and 4 chunks of tokens and
-# extrapolated: a 150k-vocabulary head is never made whole to be measured.
+# extrapolated: a 150k-vocabulary head is never made whole to be measured. The chunked
+# head is measured at two chunk sizes, the default and the planner's smallest.
 
 
 class _Stop(Exception):
@@ -328,6 +330,13 @@ def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precis
         return facts
     facts.plain = _at_tokens(spec, tokens, dtype, precision, None, chunk)
     facts.chunked = _at_tokens(spec, tokens, dtype, precision, chunk, chunk)
+    # the ladder's ends, which every chunk size between is predicted from
+    # (See Note [the head's bytes are affine in the chunk])
+    facts.default_chunk_tokens, facts.default_cost = min(chunk, tokens), facts.chunked
+    small = chunk_ladder(facts.default_chunk_tokens)[-1]
+    if small < facts.default_chunk_tokens:
+        facts.small_chunk_tokens = small
+        facts.small_cost = _at_tokens(spec, tokens, dtype, precision, small, small)
     facts.weight_grad_bytes = vocab * hidden * 4
     return facts
 

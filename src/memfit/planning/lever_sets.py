@@ -7,7 +7,8 @@ numeric risk (no lever; the frozen weights in bf16; the state in bf16, then 8 bi
 4 bits; bf16 weights; the frozen weights in NF4: See Note [NF4 last]), each
 without and then with the fused step (exact, but its clipping runs the backward twice),
 each of those without and then with the chunked loss head (exact to fp32 rounding; the
-model's output loses its logits), and keeps the first whose plan fits. Every set is
+model's output loses its logits; at the largest chunk size that fits, as
+:func:`plan_lever_set` tells), and keeps the first whose plan fits. Every set is
 predicted from the same profiles (:func:`memfit.stepmodel.with_levers.with_levers`, a pure
 function): no lever set costs a step.
 
@@ -40,14 +41,17 @@ from memfit.measuring.preserve import create_optimizer_state
 from memfit.planning.choose import plan_from_profiles
 from memfit.records import EstimateEntry, Plan, Profile
 from memfit.stepmodel import simulate
+from memfit.stepmodel.head_chunks import at_chunk, chunk_ladder
 from memfit.stepmodel.with_levers import with_levers
 from memfit.vocab import LEVERS, LeverName, PrecisionChoice, PrecisionName
 
 __all__ = [
     "frozen_applied",
+    "head_chunk_ladder",
     "lever_profiles",
     "lever_sets",
     "levers_applied",
+    "plan_lever_set",
     "plan_with_levers",
     "replan_without",
     "resolve_levers",
@@ -158,7 +162,7 @@ def lever_profiles(profiles: Mapping[str, Profile], levers: Sequence[str]) -> di
 def savings(profiles: Mapping[str, Profile], plan: Plan) -> dict[str, int]:
     """Per lever of ``plan``: predicted peak of the same plan without it, minus the plan's."""
     out = {}
-    base = profiles[plan.precision]
+    base = at_chunk(profiles[plan.precision], plan.loss_chunk_tokens)
     chosen = with_levers(base, plan.levers)
     peak = simulate(chosen, plan.blocks, plan.micro_batches, plan.segments).peak_bytes
     for lever in plan.levers:
@@ -183,18 +187,11 @@ def plan_with_levers(
     """
     smallest: InfeasibleBudget | None = None
     for levers in lever_sets(allowed) if allowed else [[]]:
-        profs = lever_profiles(profiles, levers)
-        if not profs:
-            continue
         try:
-            result = plan_from_profiles(profs, budget_bytes, *baseline)
+            return plan_lever_set(profiles, levers, budget_bytes, baseline)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
-            continue
-        result.levers = list(levers)
-        result.lever_savings = savings(profiles, result) if levers else {}
-        return result, profs
     assert smallest is not None
     if not allowed:
         raise smallest
@@ -204,6 +201,71 @@ def plan_with_levers(
         minimum_bytes=smallest.minimum_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def head_chunk_ladder(profiles: Mapping[str, Profile]) -> list[int]:
+    """The chunk sizes of ``chunked_loss`` the planner tries, largest first
+    (:func:`memfit.stepmodel.head_chunks.chunk_ladder` from the measured default; ``[0]``, the
+    default as measured, for head facts measured at one chunk size only)."""
+    for prof in profiles.values():
+        head = prof.lever_facts.head if prof.lever_facts is not None else None
+        if head is not None and head.default_chunk_tokens and head.small_chunk_tokens:
+            # the default itself first (a plan for a batch of more tokens keeps it)
+            return [head.chunk_tokens, *chunk_ladder(head.default_chunk_tokens)[1:]]
+    return [0]
+
+
+# Note [the largest chunk that fits]
+# The chunk size of chunked_loss changes no numerics, only the head's bytes and speed: one
+# chunk's logits are made at a time, and a smaller chunk runs more, smaller matmuls (one
+# Python iteration each). So it is a setting of the lever, chosen inside each lever set
+# that has it: the default chunk first (2**23 // vocab tokens, 32 MiB of fp32 logits:
+# matmuls large enough to run at speed; much smaller chunks are slower), then each smaller
+# rung of the ladder (memfit.stepmodel.head_chunks.chunk_ladder: /4 per rung, down to 1
+# token), and the first rung with a plan that fits is kept: the largest chunk that fits,
+# the default when it does. At the default chunk the plan may use checkpointing or
+# micro-batches (the time model prices micro-batches as the same work), so a smaller
+# chunk is chosen only when no plan at a larger one fits (e.g. a batch of one row). A
+# lever set without chunked_loss comes before it in the order, so a small head is never
+# chunked when a plan without the lever fits.
+
+
+def plan_lever_set(
+    profiles: Mapping[str, Profile],
+    levers: Sequence[str],
+    budget_bytes: int,
+    baseline: tuple[int, float],
+    segments: bool = True,
+) -> tuple[Plan, dict[str, Profile]]:
+    """The fastest plan with ``levers`` that fits (with ``chunked_loss``, at the largest chunk
+    size that fits: See Note [the largest chunk that fits]), and the profiles it was planned from.
+
+    Raises:
+        InfeasibleBudget: no plan with these levers fits (the smallest peak found), or none can
+            run at the profiles' precisions.
+    """
+    chunks = head_chunk_ladder(profiles) if "chunked_loss" in levers else [0]
+    smallest: InfeasibleBudget | None = None
+    for chunk in chunks:
+        profs = lever_profiles({p: at_chunk(prof, chunk) for p, prof in profiles.items()}, levers)
+        if not profs:
+            break
+        try:
+            result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments)
+        except InfeasibleBudget as exc:
+            if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
+                smallest = exc
+            continue
+        result.levers, result.loss_chunk_tokens = list(levers), chunk
+        result.lever_savings = savings(profiles, result) if levers else {}
+        return result, profs
+    if smallest is None:
+        raise InfeasibleBudget(
+            f"the levers {', '.join(levers)} cannot run at the profiled precisions.",
+            minimum_bytes=2**63,
+            budget_bytes=budget_bytes,
+        )
+    raise smallest
 
 
 def smallest_with_levers(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> EstimateEntry | None:

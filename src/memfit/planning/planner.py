@@ -48,13 +48,12 @@ from memfit.planning.choose import TIE, candidate_precisions, fixed_bytes_messag
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import (
     frozen_applied,
-    lever_profiles,
     lever_sets,
     levers_applied,
+    plan_lever_set,
     plan_with_levers,
     replan_without,
     resolve_levers,
-    savings,
     usable_levers,
 )
 from memfit.planning.notes import complete_profile, plan_notes
@@ -229,21 +228,19 @@ class _Planner:
             levers, saved = result.levers, result.lever_savings
             tighter = plan_from_profiles(profiles, whole - margin, *self.baseline, segments=segments)
             tighter.levers, tighter.lever_savings = levers, saved
+            tighter.loss_chunk_tokens = result.loss_chunk_tokens
             return tighter, profiles
         except InfeasibleBudget as exc:
             if not self.allowed or not self.lever_base:
                 raise
             first = exc
         for levers in lever_sets(self.allowed):
-            profs = lever_profiles(self.lever_base, levers)
-            if sorted(levers) in self.tried or not profs:
+            if sorted(levers) in self.tried:
                 continue
             try:
-                plan = plan_from_profiles(profs, whole, *self.baseline, segments=segments)
+                return plan_lever_set(self.lever_base, levers, whole, self.baseline, segments)
             except InfeasibleBudget:
                 continue
-            plan.levers, plan.lever_savings = list(levers), savings(self.lever_base, plan)
-            return plan, profs
         raise first
 
     def _measure_in_room(self, result: Plan, budget: int) -> tuple[int, bool]:

@@ -32,7 +32,8 @@ class HeadFacts(Record):
     hidden: int = 0
     vocab: int = 0
     chunk_tokens: int = 0
-    """Tokens per chunk of the chunked head."""
+    """Tokens per chunk of the chunked head :attr:`chunked` describes (the default for the
+    vocabulary as measured; the planner's chosen chunk in the profiles it plans from)."""
     plain: HeadCost = field(default_factory=HeadCost)
     chunked: HeadCost = field(default_factory=HeadCost)
     weight_grad_bytes: int = 0
@@ -40,6 +41,15 @@ class HeadFacts(Record):
     micro-batches."""
     refused: str = ""
     """Why the lever cannot shrink this step's head ("" : it can), e.g. a loss that reads the logits."""
+    default_chunk_tokens: int = 0
+    """The default chunk (:func:`memfit.levers.loss_head.default_chunk_tokens`, at most
+    :attr:`tokens`) and :attr:`default_cost` its measured cost (0: not measured, older facts)."""
+    default_cost: HeadCost = field(default_factory=HeadCost)
+    small_chunk_tokens: int = 0
+    """The smallest chunk of the planner's ladder, and :attr:`small_cost` its measured cost
+    (0: not measured): with the default's, the two points every other chunk is predicted
+    from (:func:`memfit.stepmodel.head_chunks.head_cost_at`)."""
+    small_cost: HeadCost = field(default_factory=HeadCost)
 
 
 @dataclass

@@ -57,6 +57,9 @@ class Plan(Record):
     lever_savings: dict[str, int] = field(default_factory=dict)
     """Per lever used: predicted bytes of the step's peak it saves (the plan without it minus
     the plan)."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the ``chunked_loss`` lever's loss head (the planner's choice; see
+    docs/levers.md); 0: the default for the vocabulary (``2**23 // vocab``)."""
 
     def __post_init__(self) -> None:
         # one spelling of the modes (memfit.vocab); plans saved with "keep" still load
@@ -77,6 +80,16 @@ class Plan(Record):
         if unknown:
             raise ConfigError(
                 f"the plan's lever {unknown[0]!r} is not one of {', '.join(LEVERS)}; make the plan again."
+            )
+        chunk = self.loss_chunk_tokens
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+            raise ConfigError(
+                "a plan's loss_chunk_tokens must be a whole number of tokens (0: the default), "
+                f"got {chunk!r}."
+            )
+        if chunk and "chunked_loss" not in self.levers:
+            raise ConfigError(
+                "the plan sets loss_chunk_tokens but does not list the 'chunked_loss' lever; add it."
             )
         if self.offload and "offload" not in self.levers:
             raise ConfigError("the plan offloads blocks but does not list the 'offload' lever; add it.")

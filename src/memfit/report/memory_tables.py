@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from memfit.budget import format_bytes
 from memfit.records import BREAKDOWN_KEYS, EstimateEntry, HeadFacts, Profile
 from memfit.report.table import text_table
+from memfit.stepmodel.head_chunks import chunk_ladder, head_cost_at
 
 __all__ = ["STRATEGY_HEADERS", "block_table", "head_table", "strategy_table", "verdict_line"]
 
@@ -115,8 +116,17 @@ def block_table(prof: Profile) -> str:
     return text_table(headers, rows)
 
 
+def _chunks(facts: HeadFacts, chunk: int) -> str:
+    size = min(chunk, facts.tokens)
+    count = -(-facts.tokens // max(1, size))
+    return (
+        f"chunked_loss, {count:,} chunk{'s' if count > 1 else ''} of {size:,} token{'s' if size > 1 else ''}"
+    )
+
+
 def head_table(facts: HeadFacts | None, precision: str = "") -> str | None:
-    """The loss head on its own rows, plain and with ``chunked_loss``; None when there is no head.
+    """The loss head on its own rows, plain and with ``chunked_loss`` at the default chunk and
+    at the smaller chunks the planner may choose; None when there is no head.
 
     The bytes are the head's alone (projection and cross-entropy on the step's hidden states,
     its input alive), as measured or estimated by
@@ -136,10 +146,12 @@ def head_table(facts: HeadFacts | None, precision: str = "") -> str | None:
     if facts.refused:
         return f"{title}: chunked_loss cannot shrink it: {facts.refused}"
     rows = []
-    size = min(facts.chunk_tokens, facts.tokens)
-    count = -(-facts.tokens // max(1, size))
-    chunks = f"chunked_loss, {count} chunk{'s' if count > 1 else ''} of {size:,} tokens"
-    for name, cost in (("plain", facts.plain), (chunks, facts.chunked)):
+    heads = [("plain", facts.plain), (_chunks(facts, facts.chunk_tokens), facts.chunked)]
+    # the smaller chunks the planner may choose (See Note [the largest chunk that fits])
+    for size in chunk_ladder(facts.default_chunk_tokens)[1:] if facts.small_chunk_tokens else []:
+        word = "measured" if size == facts.small_chunk_tokens else "predicted"
+        heads.append((f"{_chunks(facts, size)} ({word})", head_cost_at(facts, size)))
+    for name, cost in heads:
         rows.append([name, format_bytes(cost.saved_bytes), format_bytes(cost.forward_peak_bytes),
                      format_bytes(cost.backward_peak_bytes)])  # fmt: skip
     table = text_table([title, "keeps", "forward peak", "backward peak"], rows)

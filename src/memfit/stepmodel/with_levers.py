@@ -18,7 +18,9 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
   peaks, what it keeps) moves from the plain head's bytes to the chunked head's, both
   measured on the head alone at the step's shape (:class:`memfit.records.HeadFacts`; see
   Note [the head measured alone] in :mod:`memfit.measuring.lever_facts`); the chunked
-  head's fp32 weight gradient, made in its forward, does not shrink with micro-batches.
+  head's fp32 weight gradient, made in its forward, does not shrink with micro-batches, nor
+  does one chunk's logits when the chunk is smaller than the step's tokens; at the chunk
+  size the head facts name (:func:`memfit.stepmodel.head_chunks.at_chunk` moves it).
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
   profile (an estimate), parameters and gradients are halved and activations kept, an
   upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
@@ -49,6 +51,7 @@ from collections.abc import Sequence
 
 from memfit.errors import ConfigError
 from memfit.records import LeverFacts, Profile
+from memfit.stepmodel.head_chunks import chunk_fixed_bytes
 from memfit.vocab import LEVERS, WEIGHTS
 
 __all__ = [
@@ -201,7 +204,9 @@ def _chunked_head(out: Profile, facts: LeverFacts) -> None:
     o.forward_peak_bytes = {m: max(0, v + delta) for m, v in o.forward_peak_bytes.items()}
     delta = chunked.backward_peak_bytes - plain.backward_peak_bytes
     o.backward_peak_bytes = {m: max(0, v + delta) for m, v in o.backward_peak_bytes.items()}
-    o.forward_fixed_bytes += head.weight_grad_bytes
+    # one chunk's logits do not shrink with micro-batches:
+    # See Note [the head's bytes are affine in the chunk]
+    o.forward_fixed_bytes += head.weight_grad_bytes + chunk_fixed_bytes(head, head.chunk_tokens)
     out.activation_bytes = max(0, out.activation_bytes + chunked.saved_bytes - plain.saved_bytes)
     out.notes = [
         *out.notes,
