@@ -306,3 +306,34 @@ def test_a_budget_of_three_tenths_fits_with_every_lever_measured_by_memtracker()
     assert "chunked_loss" in plan.levers
     assert peak <= int(0.30 * plain)
     torch.testing.assert_close(torch.tensor(first), plain_loss.detach(), rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt2"])
+def test_memfit_s_own_hf_loss_is_the_model_s_loss_and_takes_the_chunked_head(kind: str) -> None:
+    """``hf_causal_loss`` (what ``memfit train`` uses for ``hf:`` models) computes the
+    cross-entropy of the logits against the shifted targets through the model's own
+    ``labels=`` loss, so the chunked head gives it with the same gradients."""
+    from memfit.integrations.hf import hf_causal_loss
+
+    model = _model(kind)
+    tokens = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(3))
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    logits = model(input_ids=batch[0]).logits
+    by_hand = nn.functional.cross_entropy(logits.float().flatten(0, 1), batch[1].flatten())
+    model.zero_grad(set_to_none=True)
+    plain = hf_causal_loss(model, batch)
+    plain.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch.testing.assert_close(plain, by_hand, rtol=1e-6, atol=1e-7)
+    install_chunked_head(model, chunk_tokens=5)
+    model.zero_grad(set_to_none=True)
+    calls: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: calls.append(1))
+    chunked = hf_causal_loss(model, batch)
+    hook.remove()
+    assert not calls, "the whole head ran: the chunked head was not used"
+    chunked.backward()
+    torch.testing.assert_close(chunked, plain.detach(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)

@@ -25,6 +25,7 @@ Example (with ``transformers`` installed; the tests run it in ``.venv-extras``):
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from torch import nn
 
 from memfit.checkpointing import checkpointed_blocks
 from memfit.checkpointing.hf import hf_checkpointing_active
+from memfit.devices import unwrap
 from memfit.errors import ConfigError
 from memfit.vocab import PrecisionChoice
 
@@ -162,14 +164,30 @@ def _load_local(transformers: Any, path: Path, vocab_size: int) -> nn.Module:
 
 
 def hf_causal_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Cross-entropy of a Hugging Face model's logits against the targets ``y``.
+    """Cross-entropy of a Hugging Face model's predictions against the targets ``y``.
 
-    For a causal LM ``y`` is ``x`` shifted by one (next-token prediction); an encoder
-    (masked LM) sees ``x`` and predicts ``y`` at every position.
+    For a causal LM ``y`` is ``x`` shifted by one (next-token prediction), and the model's
+    own ``labels=`` loss computes it (``shift_labels=y``: the targets are shifted already),
+    so the ``chunked_loss`` lever applies; an encoder (masked LM) sees ``x`` and predicts
+    ``y`` at every position, from its logits.
     """
     x, y = batch
+    if _takes_cache(model) and _passes_loss_kwargs(model):
+        y = y.contiguous()  # transformers views it flat
+        out = model(input_ids=x, labels=y, shift_labels=y, use_cache=False)
+        if getattr(out, "loss", None) is not None:
+            return out.loss
     logits = model(input_ids=x, use_cache=False).logits if _takes_cache(model) else model(input_ids=x).logits
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def _passes_loss_kwargs(model: nn.Module) -> bool:
+    """Whether the causal LM's forward hands extra keywords (``shift_labels``) to its loss."""
+    inner = unwrap(model)
+    get_base = getattr(inner, "get_base_model", None)  # a PeftModel passes them through
+    inner = get_base() if callable(get_base) else inner
+    params = inspect.signature(inner.forward).parameters.values()
+    return hasattr(inner, "loss_function") and any(p.kind is p.VAR_KEYWORD for p in params)
 
 
 def _takes_cache(model: nn.Module) -> bool:
