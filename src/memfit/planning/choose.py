@@ -129,10 +129,14 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # in the solver, a fixed order of blocks and modes). On a quiet machine the spread is small
 # and time decides as before; on a loaded one the band widens until counted work decides,
 # and work a FLOP count cannot tell apart (a checkpoint call more or less, a segment)
-# goes to the lowest peak. PyTorch's own configurations are preferred within the noise too,
-# but only over a plan of the solver's that recomputes no fewer FLOPs (its advantage then is
-# exact, not timed). The same call then gives the same plan, on adapters as on full
-# fine-tuning; only a difference clearly larger than the noise buys a plan more peak.
+# goes to the lowest peak. PyTorch's own configurations are preferred over a plan of the
+# solver's predicted at most PREFER_STANDARD faster, the noise counted the way the exact
+# counts point: for a configuration recomputing no more FLOPs, within PREFER_STANDARD plus
+# the noise; for one recomputing more, only within PREFER_STANDARD less the noise (so on a
+# loaded machine the plan that recomputes less keeps its exact advantage). The same call
+# then gives the same plan, on adapters as on full fine-tuning, wherever the plans differ
+# either clearly more than the noise or not at all in what is counted; only a difference
+# near the edge of the band can still fall either way.
 
 
 class _Found(NamedTuple):
@@ -173,11 +177,12 @@ def _ties(fastest: _Found, other: _Found, tie: float) -> bool:
 
 
 def _near(custom: _Found, standard: _Found, prefer: float) -> bool:
-    """Whether ``standard`` is the plan rather than ``custom``: at most ``prefer`` slower, or,
-    recomputing no more FLOPs, tying it within the noise (See Note [plans repeat])."""
-    if standard.seconds <= custom.seconds + prefer:
-        return True
-    return standard.flops <= custom.flops and _ties(custom, standard, prefer)
+    """Whether ``standard`` is the plan rather than ``custom``: at most ``prefer`` slower, the
+    timing noise counted in its favour where it recomputes no more FLOPs, against it where it
+    recomputes more (See Note [plans repeat])."""
+    noise = max(custom.noise, standard.noise) * (custom.extra + standard.extra)
+    slower = standard.seconds - custom.seconds
+    return slower <= prefer + (noise if standard.flops <= custom.flops else -noise)
 
 
 def _pick(custom: list[_Found], standard: list[_Found], tie: float, prefer: float) -> _Found:

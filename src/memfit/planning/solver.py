@@ -219,12 +219,19 @@ def _solution(prog: _Program, chosen: list[Option], micro_batches: int) -> Solut
 
 def _order(prog: _Program) -> np.ndarray:
     """A fixed preference among equal plans: per block none, selective, full, then segments,
-    earlier blocks' choices weighing more (exact, so the same model gets the same plan)."""
+    later blocks' choices weighing more, so the earlier blocks recompute (exact, so the same
+    model gets the same plan)."""
+    # Note [an order that breaks ties]
+    # Each option's rank is weighed by its first block's place (1 for the first block, up
+    # towards 2 for the last). A weight the same for every place would make the plans that
+    # place the same modes on identical blocks in another order cost the same, and HiGHS
+    # would return whichever it met first; with weights rising strictly, the cheapest of
+    # those is unique (the heavier ranks on the earlier blocks).
     rank = {"none": 0, "selective": 1, "full": 2}
     n = max(1, len(prog.profile.blocks))
     return np.array(
         [
-            (3 if o.segment else rank[o.mode]) + o.first / n + (o.last - o.first) / (n * n)
+            (3 if o.segment else rank[o.mode]) * (1 + o.first / n) + (o.last - o.first) / (n * n)
             for o in prog.options
         ]
     )
@@ -343,11 +350,11 @@ def _lowest_peak(
             break
         chosen, peak = found, float(found_peak)
     # Note [the half byte]
-    # Bytes are integers, so "at most peak - 0.5" is "at most peak"; the half byte keeps
-    # HiGHS's MIP feasibility tolerance (1e-6 of the scaled row) from letting in a plan a
-    # byte over, and the exact check below catches what it still lets in.
+    # Bytes are integers, so "at most peak + 0.5" is "at most peak" (every plan at the lowest
+    # peak, the one found among them); HiGHS's MIP feasibility tolerance (1e-6 of the scaled
+    # row) may let in a plan a byte over, and the exact check below keeps it out.
     scale = max(1.0, peak)
-    at_peak = LinearConstraint(prog.rows / scale, -np.inf, (peak - 0.5 - prog.const) / scale)
+    at_peak = LinearConstraint(prog.rows / scale, -np.inf, (peak + 0.5 - prog.const) / scale)
     ordered = _within(prog.run(_order(prog), [*keep, at_peak], False, budget), limits)
     if ordered is not None:
         preferred = prog.picked(ordered)
