@@ -1,14 +1,15 @@
-"""Choose a plan from profiles: the fastest per precision and micro-batch count, ties to the lowest peak.
+"""Choose a plan from profiles: the fastest per precision and micro-batch count, ties to counted work.
 
 A pure function over records (:func:`plan_from_profiles`): for one micro-batch, then two,
 four... (the batch is split only when nothing fits whole), the solver
 (:mod:`memfit.planning.solver`) finds each precision's fastest plan; the fastest of those
 wins, and plans within :data:`TIE` of the fastest step, or within the measured spread of
 the timings (``Speed.spread``) of their checkpointing extras, count as equally fast (the
-time model resolves no finer), so the fewest recomputed FLOPs among them win, then the
-lowest peak, then the precision listed first. The answer depends on exact counts
-wherever time cannot tell: the same profiles, or profiles whose timings differ by noise,
-give the same plan (See Note [plans repeat]).
+time model resolves no finer), so the least counted work among them wins (selective
+checkpointing's ops, then recomputed FLOPs), then the lowest peak, then the precision
+listed first. The answer depends on exact counts wherever time cannot tell: the same
+profiles, or profiles whose timings differ by noise, give the same plan
+(See Note [plans repeat]).
 
 PyTorch's own configurations come first (:mod:`memfit.planning.standard`): where one fits
 and the solver's plan is not predicted :data:`~memfit.planning.standard.PREFER_STANDARD`
@@ -35,7 +36,7 @@ import torch
 from memfit.budget import format_bytes
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
-from memfit.planning.solver import Solution, as_fast, minimum_peak, recomputed_flops, solve
+from memfit.planning.solver import Solution, as_fast, counted_work, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
 from memfit.records import Plan, Profile
 from memfit.stepmodel import block_options, predict_options_seconds, simulate_options, tiling
@@ -47,7 +48,7 @@ __all__ = ["NOISE_CAP", "TIE", "candidate_precisions", "fixed_bytes_message", "p
 TIE = 0.02
 #: The most of a plan's checkpointing extra that timing noise can account for: extras more
 #: than ``(1 + NOISE_CAP) / (1 - NOISE_CAP)`` (3) times apart are told apart by time however
-#: the timings spread (See Note [plans repeat]).
+#: far the timings spread (See Note [plans repeat]).
 NOISE_CAP = 0.5
 
 
@@ -122,21 +123,23 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # (Speed.spread, half their range over their median; 1 where a fit was clamped), and two
 # plans tie where their times differ by less than TIE of a step plus that spread of both
 # plans' checkpointing extras (solver.as_fast: a price off by that fraction moves each
-# extra by as much), the spread taken at most NOISE_CAP: FLOPs do not price everything
-# (selective checkpointing's dispatch recomputes no FLOPs), so extras three times apart
-# stay told apart by time. Among ties the key is exact: the fewest FLOPs recomputed
-# (FlopCounterMode's counts), then the lowest peak, then the precision listed first (and,
-# in the solver, a fixed order of blocks and modes). On a quiet machine the spread is small
-# and time decides as before; on a loaded one the band widens until counted work decides,
-# and work a FLOP count cannot tell apart (a checkpoint call more or less, a segment)
-# goes to the lowest peak. PyTorch's own configurations are preferred over a plan of the
-# solver's predicted at most PREFER_STANDARD faster, the noise counted the way the exact
-# counts point: for a configuration recomputing no more FLOPs, within PREFER_STANDARD plus
-# the noise; for one recomputing more, only within PREFER_STANDARD less the noise (so on a
-# loaded machine the plan that recomputes less keeps its exact advantage). The same call
-# then gives the same plan, on adapters as on full fine-tuning, wherever the plans differ
-# either clearly more than the noise or not at all in what is counted; only a difference
-# near the edge of the band can still fall either way.
+# extra by as much). Among ties the key is exact: the least counted work
+# (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
+# makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
+# counts), then the lowest peak, then the precision listed first (and, in the solver, a
+# fixed order of blocks and modes). Counted work orders plans only one count after the
+# other and prices no checkpoint call, so the spread is taken at most NOISE_CAP: extras
+# three times apart stay told apart by time. On a quiet machine the spread is small and
+# time decides as before; on a loaded one the band widens and counted work decides, and
+# what counts cannot tell apart (a checkpoint call more or less: a segment) goes to the
+# lowest peak. PyTorch's own configurations are preferred over a plan of the solver's
+# predicted at most PREFER_STANDARD faster, the noise counted the way the counts point:
+# for a configuration with no more counted work, within PREFER_STANDARD plus the noise;
+# with more, only within PREFER_STANDARD less the noise (so on a loaded machine the plan
+# that does less keeps its exact advantage). The same call then gives the same plan, on
+# adapters as on full fine-tuning, wherever plans differ either clearly more than the
+# noise or not at all in what is counted; only a difference near the edge of the band can
+# still fall either way.
 
 
 class _Found(NamedTuple):
@@ -146,8 +149,8 @@ class _Found(NamedTuple):
     """Predicted step seconds."""
     extra: float
     """Of which checkpointing's extra: over every block at its cheapest mode."""
-    flops: int
-    """FLOPs its options recompute."""
+    work: tuple[int, int]
+    """What its options add, counted (:func:`~memfit.planning.solver.counted_work`)."""
     peak: int
     rank: int
     """The precision's place in the order given."""
@@ -161,10 +164,11 @@ def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, 
     seconds = predict_options_seconds(prof, sol.options, micro)
     cheapest = tiling(prof, [(block_options(b) or ["none"])[0] for b in prof.blocks])
     extra = max(0.0, seconds - predict_options_seconds(prof, cheapest, micro))
-    flops = sum(recomputed_flops(prof, o) for o in sol.options)
+    counted = [counted_work(prof, o) for o in sol.options]
+    work = (sum(c[0] for c in counted), sum(c[1] for c in counted))
     peak = sol.peak_bytes if peak < 0 else peak
     noise = _noise(prof)
-    return _Found(seconds, extra, flops, peak, rank, precision, sol, noise)
+    return _Found(seconds, extra, work, peak, rank, precision, sol, noise)
 
 
 def _noise(prof: Profile) -> float:
@@ -178,25 +182,25 @@ def _ties(fastest: _Found, other: _Found, tie: float) -> bool:
 
 def _near(custom: _Found, standard: _Found, prefer: float) -> bool:
     """Whether ``standard`` is the plan rather than ``custom``: at most ``prefer`` slower, the
-    timing noise counted in its favour where it recomputes no more FLOPs, against it where it
-    recomputes more (See Note [plans repeat])."""
+    timing noise counted in its favour where its counted work is no more, against it where
+    it is more (See Note [plans repeat])."""
     noise = max(custom.noise, standard.noise) * (custom.extra + standard.extra)
     slower = standard.seconds - custom.seconds
-    return slower <= prefer + (noise if standard.flops <= custom.flops else -noise)
+    return slower <= prefer + (noise if standard.work <= custom.work else -noise)
 
 
 def _pick(custom: list[_Found], standard: list[_Found], tie: float, prefer: float) -> _Found:
     """The plan to return: a standard configuration unless the solver's is ``prefer`` faster.
 
     Within the pool chosen, plans that tie its fastest are equally fast, and the fewest
-    recomputed FLOPs win, then the lowest peak, then the precision listed first
+    counted work wins, then the lowest peak, then the precision listed first
     (See Note [plans repeat]).
     """
     fastest = min(custom, key=lambda f: f.seconds, default=None)
     near = [f for f in standard if fastest is None or _near(fastest, f, prefer)]
     pool = near or custom
     best = min(pool, key=lambda f: f.seconds)
-    return min((f for f in pool if _ties(best, f, tie)), key=lambda f: (f.flops, f.peak, f.rank))
+    return min((f for f in pool if _ties(best, f, tie)), key=lambda f: (f.work, f.peak, f.rank))
 
 
 def plan_from_profiles(

@@ -10,9 +10,10 @@ optimality gap, and the answer is checked again in exact integer bytes by the si
 Ties: the time model resolves differences of a few percent at best, so plans whose
 predicted time is within ``tie_seconds`` of the fastest, or within the measured ``noise``
 of their checkpointing extras (:func:`as_fast`), count as equally fast; among them the
-solver takes the fewest recomputed FLOPs, then the lowest peak, then a fixed order of
-options (more programs). The answer then depends on exact numbers (FLOPs, bytes, block
-order), not on the noise in the time model's last digits: the same model gets the same
+solver takes the least counted work (:func:`counted_work`: the ops selective
+checkpointing dispatches, then the FLOPs recomputed), then the lowest peak, then a fixed
+order of options (more programs). The answer then depends on exact numbers (ops, FLOPs,
+bytes, block order), not on the noise in the time model's last digits: the same model gets the same
 plan (See Note [plans repeat]).
 
 Trade-off: an integer program proves optimality (a greedy rule does not) at the cost of
@@ -51,7 +52,7 @@ from memfit.stepmodel import (
     simulate_options,
 )
 
-__all__ = ["Solution", "as_fast", "minimum_peak", "recomputed_flops", "solve", "useful_modes"]
+__all__ = ["Solution", "as_fast", "counted_work", "minimum_peak", "solve", "useful_modes"]
 
 
 @dataclass
@@ -115,7 +116,8 @@ class _Program:
             for o, b in ev.coef.items():
                 self.rows[r, index[o]] = b
         self.const = np.array([ev.const for ev in self.events], dtype=float)
-        self.flops = np.array([recomputed_flops(profile, o) for o in self.options], dtype=float)
+        counted = [counted_work(profile, o) for o in self.options]
+        self.work = [np.array([c[k] for c in counted], dtype=float) for k in range(2)]
 
     def run(
         self, cost: np.ndarray, extra: list[LinearConstraint], peak_var: bool, budget: float
@@ -156,24 +158,27 @@ class _Program:
         return sorted(o for o, val in zip(self.options, x, strict=True) if val > 0.5)
 
 
-def recomputed_flops(profile: Profile, option: Option) -> int:
-    """FLOPs ``option`` recomputes in the backward (FlopCounterMode's counts: exact, not timed).
+def counted_work(profile: Profile, option: Option) -> tuple[int, int]:
+    """What ``option`` adds to the step, counted, not timed: the aten ops selective
+    checkpointing dispatches in its mode (forward and recompute), and the FLOPs it
+    recomputes in the backward (FlopCounterMode's counts). See Note [plans repeat].
 
     Example:
         >>> from memfit.records import BlockStats, Profile
         >>> b = BlockStats("b0", saved_bytes={"none": 8, "full": 1},
-        ...                backward_peak_bytes={"none": 1, "full": 2},
+        ...                backward_peak_bytes={"none": 1, "full": 2}, forward_ops=7,
         ...                forward_flops=10, backward_flops={"none": 20, "full": 30})
         >>> prof = Profile("fp32", "cpu", 1, [b], BlockStats("outside"), 0, 0, 0, 0)
-        >>> recomputed_flops(prof, Option(0, 0, "full")), recomputed_flops(prof, Option(0, 0, "none"))
-        (10, 0)
+        >>> counted_work(prof, Option(0, 0, "full")), counted_work(prof, Option(0, 0, "none"))
+        ((0, 10), (0, 0))
     """
-    total = 0
+    ops = flops = 0
+    mode = "full" if option.segment else option.mode
     for block in profile.blocks[option.first : option.last + 1]:
-        first = block_options(block)[:1] or [option.mode]
-        base = block.backward_flops.get(first[0], 0)
-        total += max(0, block.backward_flops.get("full" if option.segment else option.mode, 0) - base)
-    return total
+        first = block_options(block)[:1] or [mode]
+        flops += max(0, block.backward_flops.get(mode, 0) - block.backward_flops.get(first[0], 0))
+        ops += 2 * block.forward_ops if mode == "selective" else 0
+    return ops, flops
 
 
 def as_fast(fastest: tuple[float, float], other: tuple[float, float], tie: float, noise: float) -> bool:
@@ -258,7 +263,7 @@ def solve(
         segments: also consider segments (where the profile's chain links allow them).
         noise: the time model's relative uncertainty (``Speed.spread``): plans also tie where
             they differ by less than this much of their checkpointing extras, and among
-            ties the fewest recomputed FLOPs win first (See Note [plans repeat]).
+            ties the least counted work wins first (See Note [plans repeat]).
 
     Returns:
         The :class:`Solution`, or None when no plan fits.
@@ -286,7 +291,8 @@ def solve(
         tie = max(tie_seconds / top, 1e-6 * max(1.0, best))
         limits = [(cost, max(best + tie, _band(best, floor, tie, noise)))]
         keep = [LinearConstraint(cost.reshape(1, -1), -np.inf, limits[0][1])]
-        x = _least_flops(prog, x, keep, limits, budget)
+        for counts in prog.work:
+            x = _least(prog, counts, x, keep, limits, budget)
         chosen = _lowest_peak(prog, x, keep, limits, budget, micro_batches)
         sol = _solution(prog, chosen, micro_batches)
         if sol.peak_bytes <= budget_bytes:
@@ -302,21 +308,27 @@ def solve(
 _Limits = list[tuple[np.ndarray, float]]
 
 
-def _least_flops(
-    prog: _Program, x: np.ndarray, keep: list[LinearConstraint], limits: _Limits, budget: float
+def _least(
+    prog: _Program,
+    counts: np.ndarray,
+    x: np.ndarray,
+    keep: list[LinearConstraint],
+    limits: _Limits,
+    budget: float,
 ) -> np.ndarray:
-    """Among plans within the time band, those that recompute the fewest FLOPs: their bound is
-    added to ``keep`` and ``limits``; returns one of them (``x`` where FLOPs are not counted)."""
+    """Among plans meeting ``keep`` (``x`` one of them), those with the least ``counts`` (a
+    :func:`counted_work` column): their bound is added to ``keep`` and ``limits``; returns
+    one of them (``x`` where nothing is counted)."""
     # See Note [plans repeat]
-    top = float(prog.flops.max())
+    top = float(counts.max(initial=0.0))
     if top <= 0:
         return x
-    fewest = _within(prog.run(prog.flops / top, keep, False, budget), limits)
+    fewest = _within(prog.run(counts / top, keep, False, budget), limits)
     if fewest is None:
         fewest = x
-    bound = float(prog.flops @ fewest) + 0.5  # FLOPs are integers: "at most r + 0.5" is "at most r"
-    keep.append(LinearConstraint((prog.flops / top).reshape(1, -1), -np.inf, bound / top))
-    limits.append((prog.flops, bound))
+    bound = float(counts @ fewest) + 0.5  # counts are integers: "at most r + 0.5" is "at most r"
+    keep.append(LinearConstraint((counts / top).reshape(1, -1), -np.inf, bound / top))
+    limits.append((counts, bound))
     return fewest
 
 
