@@ -71,6 +71,7 @@ __all__ = [
     "extras_over_none",
     "fit_prices",
     "time_block_modes",
+    "timing_spread",
 ]
 
 
@@ -223,20 +224,44 @@ def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> N
     if sp is None or block is None:
         return
     sp.timed_block = name
+    sp.spread = timing_spread(extras)
     if extras.get("full"):
         extra = statistics.median(extras["full"]) - sp.checkpoint_seconds
         modelled = sp.forward_scale * forward_work(prof, block)
         if modelled > 0 and extra > 0:
             # Note [recompute scale clamped]
             # A recompute is the same forward again: a fit outside a quarter to four times
-            # it is a disturbed timing, not the model, so it is clamped there.
+            # it is a disturbed timing, not the model, so it is clamped there (and the
+            # timings, telling nothing, spread 1).
             sp.recompute_scale = min(4.0, max(0.25, extra / modelled))
             sp.full_steps = len(extras["full"])
+        if modelled > 0 and (extra <= 0 or sp.recompute_scale != extra / modelled):
+            sp.spread = 1.0
     if extras.get("selective") and block.forward_ops:
         extra = statistics.median(extras["selective"])
         counted = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
         sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - counted) / (2 * block.forward_ops))
         sp.selective_steps = len(extras["selective"])
+
+
+def timing_spread(extras: Mapping[str, list[float]]) -> float:
+    """How far a block's extras over ``none`` disagree across rounds: per mode, half their
+    range over their median, the largest, at most 1 (1: they tell nothing, as where a median
+    is not above 0); 0 where no mode has two rounds. See Note [plans repeat].
+
+    Example:
+        >>> round(timing_spread({"full": [1.0, 1.2, 1.1], "selective": [2.0, 2.0]}), 3)
+        0.091
+        >>> timing_spread({"full": [0.001, -0.002, 0.003]})
+        1.0
+    """
+    worst = 0.0
+    for ts in extras.values():
+        if len(ts) < 2:
+            continue
+        mid = statistics.median(ts)
+        worst = max(worst, 1.0 if mid <= 0 else (max(ts) - min(ts)) / (2 * mid))
+    return min(1.0, worst)
 
 
 def describe_timing(mode: str, micro_batches: int) -> str:

@@ -135,6 +135,11 @@ class Speed(Record):
     timed_as: str = ""
     """How the whole steps were timed where the plain step did not fit ("" : plain), e.g.
     ``"without checkpointing in 4 micro-batches (the plain step does not fit)"``."""
+    spread: float = 0.0
+    """How far the times the prices were fitted to disagree: for each mode, ``timed_block``'s
+    extras over ``none`` across its rounds, half their range over their median, the largest
+    (1: they tell nothing, e.g. a fit was clamped; 0: not measured). The chooser counts
+    predictions that differ by less than this as ties (See Note [plans repeat])."""
 
 
 @dataclass
