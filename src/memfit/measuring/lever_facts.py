@@ -48,7 +48,7 @@ from memfit.levers.frozen import (
 )
 from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
-from memfit.levers.optim import lever_optimizer
+from memfit.levers.optim import lever_optimizer, step_runs_eagerly
 from memfit.levers.spec import torchao_available
 from memfit.levers.weights import weights_dtype
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
@@ -69,7 +69,8 @@ __all__ = [
     "step_temp_per_element",
 ]
 
-#: Elements of the parameter an optimizer kind's step temporaries are measured on.
+#: Elements of the parameter an optimizer kind's step temporaries are measured on (one eager
+#: slice of the step, :data:`memfit.stepmodel.with_levers.EAGER_STEP_SLICE_ELEMENTS`).
 PROBE_NUMEL = 65536
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -192,6 +193,7 @@ def lever_facts(
         weight_bytes=floats[0].element_size() if floats else 4,
         amsgrad=amsgrad,
         optimizer=_family(optimizer),
+        step_eager=step_runs_eagerly(training=True),
         step_temp_per_element=temps,
         step_seconds_per_element=seconds,
     )

@@ -89,6 +89,10 @@ class LeverFacts(Record):
     """The optimizer keeps a third moment (AMSGrad)."""
     optimizer: str = "none"
     """The optimizer's family (``AdamW``, ``Adam``, ``SGD``...)."""
+    step_eager: bool = False
+    """torchao's optimizer step will run eagerly in training (dynamo disabled when the facts were
+    measured), so it steps in eager slices (Note [pricing the step that runs] in
+    :mod:`memfit.stepmodel.with_levers`); False: compiled."""
     step_temp_per_element: dict[str, float] = field(default_factory=dict)
     """``"<kind>/<weights>"`` (kind ``orig`` for the user's own optimizer, or ``fp32`` / ``bf16`` /
     ``8bit`` / ``4bit``; weights ``fp32`` / ``bf16``) -> temporaries of one parameter's step,
