@@ -50,7 +50,7 @@ from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chu
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
 from memfit.levers.optim import lever_optimizer, step_runs_eagerly
 from memfit.levers.spec import torchao_available
-from memfit.levers.weights import weights_dtype
+from memfit.levers.weights import cast_weights, restore_weights, weights_dtype
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
@@ -67,6 +67,7 @@ __all__ = [
     "head_facts",
     "lever_facts",
     "step_temp_per_element",
+    "weights_saved_delta",
 ]
 
 #: Elements of the parameter an optimizer kind's step temporaries are measured on (one eager
@@ -458,6 +459,30 @@ def frozen_facts(
     return facts
 
 
+# Note [the weights measured in bf16]
+# Under bf16 autocast every matmul whose input needs a gradient saves the bf16 cast of its
+# fp32 weight; with bf16 weights (the weights_bf16 lever) it saves the weight itself, a
+# parameter. The difference is measured, not assumed: one forward of the step with the
+# weights cast to bf16 and one as they are, autograd's saved bytes compared per part.
+
+
+def weights_saved_delta(
+    model: nn.Module, blocks: Sequence[str], step: tuple[Any, Callable[..., Any]], precision: str
+) -> dict[str, int]:
+    """Per part: the bytes autograd saves in one forward of ``step`` with bf16 weights minus
+    with the weights as they are (Note [the weights measured in bf16]); empty unless the
+    precision is bf16 and the weights are not."""
+    if precision != "bf16" or weights_dtype(model) == "bf16":
+        return {}
+    plain = _saved_by_part(model, blocks, step, precision)
+    saved = cast_weights(model)
+    try:
+        now = _saved_by_part(model, blocks, step, precision)
+    finally:
+        restore_weights(saved)
+    return {part: now.get(part, 0) - plain.get(part, 0) for part in {*plain, *now}}
+
+
 def attach_lever_facts(
     profile: Profile,
     model: nn.Module,
@@ -471,5 +496,7 @@ def attach_lever_facts(
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
     profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
+    if step is not None:
+        profile.lever_facts.weights_saved_delta = weights_saved_delta(model, blocks, step, profile.precision)
     profile.weights = weights_dtype(model)
     return profile

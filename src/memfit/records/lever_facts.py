@@ -85,6 +85,9 @@ class LeverFacts(Record):
     """Bytes of buffers and non-floating parameters (no lever changes them)."""
     weight_bytes: int = 4
     """Bytes per element of the floating parameters as profiled (4: fp32, 2: bf16)."""
+    weights_saved_delta: dict[str, int] = field(default_factory=dict)
+    """Per part: bytes autograd saves in one bf16 forward with bf16 weights minus with the weights
+    as profiled (the bf16 casts of fp32 weights that matmuls save); empty: not measured."""
     amsgrad: bool = False
     """The optimizer keeps a third moment (AMSGrad)."""
     optimizer: str = "none"

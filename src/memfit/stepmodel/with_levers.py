@@ -23,7 +23,9 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
   profile (an estimate), parameters and gradients are halved and autocast's cached weight
   casts (held to the forward's end beyond what is saved) taken out, bf16 weights make none;
-  what autograd saves is kept, an upper bound (mode ``none`` saves the casts).
+  what autograd saves (mode ``none``: the casts too) moves by the difference measured in one
+  forward with bf16 weights (:attr:`memfit.records.LeverFacts.weights_saved_delta`), else is
+  kept, an upper bound.
 - ``frozen_bf16`` / ``frozen_nf4``: the frozen weights' bytes from their counts and NF4's
   measured bytes; what autograd saves moves by the measured difference (mode ``none``; the
   checkpointed modes keep theirs, an upper bound); every part's forward and backward peaks
@@ -173,23 +175,7 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         raise ConfigError(f"weights_bf16 computes in bf16; this profile is at {profile.precision}.")
     wbytes = 2 if weights == "bf16" else facts.weight_bytes
     if weights != profile.weights:
-        half = facts.weight_bytes // wbytes
-        trained = sum(n for ns in facts.params.values() for n in ns)
-        out.param_bytes = (trained + facts.frozen_numel) * wbytes + facts.other_bytes
-        out.grad_bytes = profile.grad_bytes // half
-        out.early_grad_bytes = profile.early_grad_bytes // half
-        for b in out.blocks:
-            b.grad_bytes //= half
-            b.param_bytes = sum(facts.params.get(b.name, [])) * wbytes
-            for mode, value in b.backward_peak_bytes.items():
-                b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
-            _without_casts(b)
-        out.weights = weights
-        out.notes = [
-            *out.notes,
-            "weights_bf16 predicted from a profile with fp32 weights: parameters and gradients halved, "
-            "autocast's cached weight casts out (bf16 weights are not cast), other activations as measured.",
-        ]
+        _bf16_weights(out, profile, facts, wbytes)
     kind = state_kind_of(names)
     numels = [n for ns in facts.params.values() for n in ns]
     if kind != "orig":
@@ -220,6 +206,46 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
             for part, ns in facts.params.items()
         }
     return out
+
+
+def _bf16_weights(out: Profile, profile: Profile, facts: LeverFacts, wbytes: int) -> None:
+    """``out`` with the fp32 weights of ``profile`` in bf16 (in place)."""
+    half = facts.weight_bytes // wbytes
+    trained = sum(n for ns in facts.params.values() for n in ns)
+    out.param_bytes = (trained + facts.frozen_numel) * wbytes + facts.other_bytes
+    out.grad_bytes = profile.grad_bytes // half
+    out.early_grad_bytes = profile.early_grad_bytes // half
+    delta = facts.weights_saved_delta
+    for b in out.blocks:
+        b.grad_bytes //= half
+        b.param_bytes = sum(facts.params.get(b.name, [])) * wbytes
+        for mode, value in b.backward_peak_bytes.items():
+            b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
+        _without_casts(b)
+        _saved_moved(b, delta.get(b.name, 0))
+    _saved_moved(out.outside, delta.get("", 0))
+    out.activation_bytes = max(0, out.activation_bytes + sum(delta.values()))
+    out.weights = "bf16"
+    what = "what autograd saves measured with bf16 weights" if delta else "other activations as measured"
+    out.notes = [
+        *out.notes,
+        "weights_bf16 predicted from a profile with fp32 weights: parameters and gradients halved, "
+        f"autocast's cached weight casts out (bf16 weights are not cast), {what}.",
+    ]
+
+
+def _saved_moved(part: BlockStats, delta: int) -> None:
+    """``part``'s mode ``none`` saving ``delta`` more bytes, in place.
+
+    See Note [the weights measured in bf16] in :mod:`memfit.measuring.lever_facts`.
+    """
+    if not delta or "none" not in part.saved_bytes:
+        return
+    part.saved_bytes["none"] = max(0, part.saved_bytes["none"] + delta)
+    if "none" in part.held_bytes:
+        part.held_bytes["none"] = max(0, part.held_bytes["none"] + delta)
+    if "none" in part.forward_peak_bytes:
+        part.forward_peak_bytes["none"] = max(0, part.forward_peak_bytes["none"] + delta)
 
 
 def _without_casts(block: BlockStats) -> None:
