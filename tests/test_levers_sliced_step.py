@@ -85,7 +85,8 @@ def test_the_step_knows_how_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     from memfit.levers.optim import step_runs_eagerly
 
     monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
-    monkeypatch.setattr(torch._dynamo.config, "disable", False)
+    if torch._dynamo.config.disable:
+        pytest.skip("TORCH_COMPILE_DISABLE=1: the step always runs eagerly here")
     assert not step_runs_eagerly()
     with torch.compiler.set_stance("force_eager"):
         assert step_runs_eagerly()
