@@ -223,6 +223,10 @@ def _bf16_weights(out: Profile, profile: Profile, facts: LeverFacts, wbytes: int
             b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
         _without_casts(b)
         _saved_moved(b, delta.get(b.name, 0))
+        # a full block's recompute makes the casts mode none saves again: none with bf16 weights
+        if "full" in b.backward_peak_bytes:
+            recast = max(0, -delta.get(b.name, 0))
+            b.backward_peak_bytes["full"] = max(b.grad_bytes, b.backward_peak_bytes["full"] - recast)
     _saved_moved(out.outside, delta.get("", 0))
     out.activation_bytes = max(0, out.activation_bytes + sum(delta.values()))
     out.weights = "bf16"
