@@ -37,6 +37,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad: torch.Tensor
 
     model.weight.grad = grad.clone()
     old, with_levers.STEP_SLICE_ELEMENTS = with_levers.STEP_SLICE_ELEMENTS, size
+    old_eager, with_levers.EAGER_STEP_SLICE_ELEMENTS = with_levers.EAGER_STEP_SLICE_ELEMENTS, size
     tracker = MemTracker()
     tracker.track_external(model, opt)
     try:
@@ -46,6 +47,7 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad: torch.Tensor
         peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     finally:
         with_levers.STEP_SLICE_ELEMENTS = old
+        with_levers.EAGER_STEP_SLICE_ELEMENTS = old_eager
     return peak - before
 
 
@@ -71,3 +73,23 @@ def test_step_model_predicts_one_slice_of_temporaries() -> None:
     assert with_levers.step_slice_numel(10 * size, "4bit") == size
     assert with_levers.step_slice_numel(10 * size, "orig") == 10 * size
     assert with_levers.step_slice_numel(100, "8bit") == 100
+    eager = with_levers.EAGER_STEP_SLICE_ELEMENTS
+    assert eager < size
+    assert with_levers.step_slice_numel(10 * size, "4bit", eager=True) == eager
+    assert with_levers.step_slice_numel(10 * size, "orig", eager=True) == 10 * size
+
+
+def test_the_step_knows_how_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager under memfit's measuring stance or with dynamo disabled; compiled otherwise
+    (Note [pricing the step that runs])."""
+    from memfit.levers.optim import step_runs_eagerly
+
+    monkeypatch.delenv("TORCHDYNAMO_DISABLE", raising=False)
+    if torch._dynamo.config.disable:
+        pytest.skip("TORCH_COMPILE_DISABLE=1: the step always runs eagerly here")
+    assert not step_runs_eagerly()
+    with torch.compiler.set_stance("force_eager"):
+        assert step_runs_eagerly()
+        assert not step_runs_eagerly(training=True)  # training runs outside memfit's stance
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    assert step_runs_eagerly(training=True)

@@ -14,11 +14,11 @@ probability, so updates are kept in expectation, for 0 extra bytes, where a Kaha
 costs 2 more bytes per parameter (the 6-bytes-per-parameter goal would not leave room).
 
 Trade-off: torchao's step is ``torch.compile(fullgraph=True)``, which cannot run inside
-MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), which holds
-more temporaries than the compiled step: measured peaks are upper bounds of the compiled ones.
-
-A parameter larger than :data:`memfit.stepmodel.with_levers.STEP_SLICE_ELEMENTS` steps in
-slices of its rows (Note [the step in slices]).
+MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), as it runs
+where dynamo is off (``TORCHDYNAMO_DISABLE=1``). The eager step holds every intermediate, so
+it steps in slices of at most 65,536 elements (more launches: slower on a GPU); the compiled
+one in slices of :data:`memfit.stepmodel.with_levers.STEP_SLICE_ELEMENTS`
+(Note [the step in slices], Note [pricing the step that runs]).
 
 Example:
     >>> import torch
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from memfit.levers.spec import ADAM_LIKE, torchao_available
 from memfit.stepmodel import with_levers
 from memfit.vocab import WEIGHTS
 
-__all__ = ["is_lever_optimizer", "lever_optimizer"]
+__all__ = ["is_lever_optimizer", "lever_optimizer", "step_runs_eagerly"]
 
 _BLOCK = ("8bit", "4bit")
 #: torch.optim flags torchao's optimizers do not take (memfit drops the speed-only ones).
@@ -54,6 +55,30 @@ _DROPPED = ("foreach", "fused", "capturable", "differentiable", "maximize", "dec
 def is_lever_optimizer(optimizer: torch.optim.Optimizer | None) -> bool:
     """Whether ``optimizer`` was made by :func:`lever_optimizer`."""
     return optimizer is not None and hasattr(optimizer, "memfit_state")
+
+
+def step_runs_eagerly(*, training: bool = False) -> bool:
+    """Whether torchao's optimizer step runs eagerly here: dynamo is disabled
+    (``TORCHDYNAMO_DISABLE=1`` or ``TORCH_COMPILE_DISABLE=1``) or, unless ``training``, under
+    the ``force_eager`` stance memfit measures in (See Note [pricing the step that runs] in
+    :mod:`memfit.stepmodel.with_levers`).
+
+    ``training=True`` asks how the step will run in training, where memfit's own measuring
+    stance is not in force.
+
+    Example:
+        >>> import torch
+        >>> with torch.compiler.set_stance("force_eager"):
+        ...     step_runs_eagerly()
+        True
+    """
+    # torch.compile returns the function itself under either variable (torch 2.13's eval_frame)
+    if torch._dynamo.config.disable or os.environ.get("TORCHDYNAMO_DISABLE", "") == "1":
+        return True
+    if training:
+        return False
+    stance = getattr(getattr(torch._dynamo, "eval_frame", None), "_stance", None)
+    return getattr(stance, "stance", "default") == "force_eager"
 
 
 def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
@@ -71,12 +96,14 @@ def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
 # nearly 1 GB, more than the low-bit state saves. The update is elementwise, so stepping a
 # parameter in slices of rows (views of the parameter, its gradient and its moments; torchao's
 # quantized moments slice along their first dimension at block boundaries) gives the same
-# numbers with one slice's temporaries. Sharded (DTensor) parameters step whole.
+# numbers with one slice's temporaries. Sharded (DTensor) parameters step whole. The slice
+# is smaller when the step runs eagerly (See Note [pricing the step that runs] in
+# memfit.stepmodel.with_levers).
 
 
 def _slices(p: torch.Tensor, moments: list[Any]) -> list[tuple[int, int]]:
     """Row ranges of ``p`` to step one at a time (Note [the step in slices])."""
-    size = with_levers.STEP_SLICE_ELEMENTS
+    size = with_levers.step_slice_elements(step_runs_eagerly())
     sharded = getattr(p, "device_mesh", None) is not None  # a DTensor (FSDP2) steps whole
     if p.dim() == 0 or p.numel() <= size or sharded:
         return [(0, p.shape[0] if p.dim() else 0)]

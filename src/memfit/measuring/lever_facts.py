@@ -48,9 +48,9 @@ from memfit.levers.frozen import (
 )
 from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
-from memfit.levers.optim import lever_optimizer
+from memfit.levers.optim import lever_optimizer, step_runs_eagerly
 from memfit.levers.spec import torchao_available
-from memfit.levers.weights import weights_dtype
+from memfit.levers.weights import cast_weights, restore_weights, weights_dtype
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
@@ -68,9 +68,11 @@ __all__ = [
     "head_facts",
     "lever_facts",
     "step_temp_per_element",
+    "weights_saved_delta",
 ]
 
-#: Elements of the parameter an optimizer kind's step temporaries are measured on.
+#: Elements of the parameter an optimizer kind's step temporaries are measured on (one eager
+#: slice of the step, :data:`memfit.stepmodel.with_levers.EAGER_STEP_SLICE_ELEMENTS`).
 PROBE_NUMEL = 65536
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -193,6 +195,7 @@ def lever_facts(
         weight_bytes=floats[0].element_size() if floats else 4,
         amsgrad=amsgrad,
         optimizer=_family(optimizer),
+        step_eager=step_runs_eagerly(training=True),
         step_temp_per_element=temps,
         step_seconds_per_element=seconds,
     )
@@ -465,6 +468,30 @@ def frozen_facts(
     return facts
 
 
+# Note [the weights measured in bf16]
+# Under bf16 autocast every matmul whose input needs a gradient saves the bf16 cast of its
+# fp32 weight; with bf16 weights (the weights_bf16 lever) it saves the weight itself, a
+# parameter. The difference is measured, not assumed: one forward of the step with the
+# weights cast to bf16 and one as they are, autograd's saved bytes compared per part.
+
+
+def weights_saved_delta(
+    model: nn.Module, blocks: Sequence[str], step: tuple[Any, Callable[..., Any]], precision: str
+) -> dict[str, int]:
+    """Per part: the bytes autograd saves in one forward of ``step`` with bf16 weights minus
+    with the weights as they are (Note [the weights measured in bf16]); empty unless the
+    precision is bf16 and the weights are not."""
+    if precision != "bf16" or weights_dtype(model) == "bf16":
+        return {}
+    plain = _saved_by_part(model, blocks, step, precision)
+    saved = cast_weights(model)
+    try:
+        now = _saved_by_part(model, blocks, step, precision)
+    finally:
+        restore_weights(saved)
+    return {part: now.get(part, 0) - plain.get(part, 0) for part in {*plain, *now}}
+
+
 def attach_lever_facts(
     profile: Profile,
     model: nn.Module,
@@ -478,5 +505,7 @@ def attach_lever_facts(
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
     profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
+    if step is not None:
+        profile.lever_facts.weights_saved_delta = weights_saved_delta(model, blocks, step, profile.precision)
     profile.weights = weights_dtype(model)
     return profile

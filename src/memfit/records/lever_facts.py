@@ -95,10 +95,17 @@ class LeverFacts(Record):
     """Bytes of buffers and non-floating parameters (no lever changes them)."""
     weight_bytes: int = 4
     """Bytes per element of the floating parameters as profiled (4: fp32, 2: bf16)."""
+    weights_saved_delta: dict[str, int] = field(default_factory=dict)
+    """Per part: bytes autograd saves in one bf16 forward with bf16 weights minus with the weights
+    as profiled (the bf16 casts of fp32 weights that matmuls save); empty: not measured."""
     amsgrad: bool = False
     """The optimizer keeps a third moment (AMSGrad)."""
     optimizer: str = "none"
     """The optimizer's family (``AdamW``, ``Adam``, ``SGD``...)."""
+    step_eager: bool = False
+    """torchao's optimizer step will run eagerly in training (dynamo disabled when the facts were
+    measured), so it steps in eager slices (Note [pricing the step that runs] in
+    :mod:`memfit.stepmodel.with_levers`); False: compiled."""
     step_temp_per_element: dict[str, float] = field(default_factory=dict)
     """``"<kind>/<weights>"`` (kind ``orig`` for the user's own optimizer, or ``fp32`` / ``bf16`` /
     ``8bit`` / ``4bit``; weights ``fp32`` / ``bf16``) -> temporaries of one parameter's step,

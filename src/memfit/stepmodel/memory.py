@@ -104,11 +104,21 @@ class _Blocks:
         # Note [held and saved bytes]
         # During the forward a block holds its saved bytes plus what only the forward's end
         # frees (autocast's cached weight casts): ``held``; the backward sees ``saved``.
-        self.held = [{m: round(s * b.held_bytes.get(m, b.saved_bytes[m])) for m in o} for b, o in pairs]
+        # The weight casts are the weights' size whatever the micro-batch: they do not shrink.
+        cache = [
+            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.saved_bytes[m]) for m in o} for b, o in pairs
+        ]
+        self.held = [
+            {m: _scaled(b.held_bytes.get(m, b.saved_bytes[m]), s, c[m]) for m in o}
+            for (b, o), c in zip(pairs, cache, strict=True)
+        ]
         # FSDP2's gathered parameters (``*_fixed_bytes``) do not shrink with micro-batches.
         self.fwd = [
-            {m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes) for m in o}
-            for b, o in pairs
+            {
+                m: _scaled(b.forward_peak_bytes.get(m, b.saved_bytes[m]), s, b.forward_fixed_bytes + c[m])
+                for m in o
+            }
+            for (b, o), c in zip(pairs, cache, strict=True)
         ]
         self.bwd = [
             {m: _scaled(b.backward_peak_bytes[m], s, _grad(b) + b.backward_fixed_bytes) for m in o}

@@ -7,8 +7,9 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
 
 - Optimizer state: exact bytes per parameter of each kind (:func:`state_bytes`: torchao's
   block-wise codes, scales and maps; the step counter); its step's temporaries from a
-  measured per-element cost (:class:`memfit.records.LeverFacts`), for the largest
-  parameter (torchao steps one parameter at a time).
+  measured per-element cost (:class:`memfit.records.LeverFacts`), for the largest slice
+  of a parameter the step works on at once, as the step will run: eagerly or compiled
+  (Note [pricing the step that runs]).
 - ``fused_step``: gradients are freed as they complete; each part's backward holds instead
   its largest parameter's gradient and step temporaries (``Profile.lever_step_bytes``).
 - Time: a state lever's optimizer step costs its measured seconds per element instead of the
@@ -22,8 +23,11 @@ records: :func:`memfit.stepmodel.events` then reads it like any other (``fused_s
   does one chunk's logits when the chunk is smaller than the step's tokens; at the chunk
   size the head facts name (:func:`memfit.stepmodel.head_chunks.at_chunk` moves it).
 - ``weights_bf16``: exact when the profile was measured with bf16 weights; from an fp32
-  profile (an estimate), parameters and gradients are halved and activations kept, an
-  upper bound (autocast's cached weight casts, which bf16 weights do not make, stay in).
+  profile (an estimate), parameters and gradients are halved and autocast's cached weight
+  casts (held to the forward's end beyond what is saved) taken out, bf16 weights make none;
+  what autograd saves (mode ``none``: the casts too) moves by the difference measured in one
+  forward with bf16 weights (:attr:`memfit.records.LeverFacts.weights_saved_delta`), else is
+  kept, an upper bound.
 - ``frozen_bf16`` / ``frozen_nf4``: the frozen weights' bytes from their counts and NF4's
   measured bytes; what autograd saves moves by the measured difference (mode ``none``; the
   checkpointed modes keep theirs, an upper bound); every part's forward and backward peaks
@@ -50,14 +54,16 @@ import copy
 from collections.abc import Sequence
 
 from memfit.errors import ConfigError
-from memfit.records import LeverFacts, Profile
+from memfit.records import BlockStats, LeverFacts, Profile
 from memfit.stepmodel.head_chunks import chunk_fixed_bytes
 from memfit.vocab import LEVERS, WEIGHTS
 
 __all__ = [
+    "EAGER_STEP_SLICE_ELEMENTS",
     "STEP_SLICE_ELEMENTS",
     "state_bytes",
     "state_kind_of",
+    "step_slice_elements",
     "step_slice_numel",
     "temp_key",
     "with_levers",
@@ -66,6 +72,22 @@ __all__ = [
 #: torchao's AdamW steps a parameter larger than this in slices of about this many elements
 #: (:mod:`memfit.levers.optim`), so its step's fp32 temporaries are those of one slice.
 STEP_SLICE_ELEMENTS = 2**22
+#: The slice when the step runs eagerly (never more than :data:`STEP_SLICE_ELEMENTS`): the
+#: eager step holds about 24 bytes of fp32 temporaries per element of its slice.
+EAGER_STEP_SLICE_ELEMENTS = 2**16
+
+# Note [pricing the step that runs]
+# torchao's step is torch.compile(fullgraph=True); it runs eagerly where dynamo is off
+# (TORCHDYNAMO_DISABLE=1, torch._dynamo.config.disable) or under the force_eager stance, as
+# under every memfit tracker. The eager step materializes every intermediate of the update
+# (measured: 24 bytes per element at fp32 weights, 41 at bf16, for every state kind), so it
+# steps in slices of EAGER_STEP_SLICE_ELEMENTS, where they are 1.5 MiB; the compiled step
+# (one fused kernel, few launches) in slices of STEP_SLICE_ELEMENTS. The step model prices
+# the one that will run in training (LeverFacts.step_eager, read when the facts are
+# measured): the eager step exactly, its per-element cost measured eagerly on one eager
+# slice; the compiled step at the same per-element cost on a compiled slice, an upper bound
+# (the fused kernel holds a subset of the eager intermediates). CUDA follows the same rule:
+# the allocator counts the same tensors MemTracker does on a CPU; only the CPU is tested.
 
 _BLOCK = {"8bit": 256, "4bit": 128}
 _MIN_QUANTIZED = 4096
@@ -103,15 +125,28 @@ def state_kind_of(levers: Sequence[str]) -> str:
     return "fp32" if "weights_bf16" in levers else "orig"
 
 
-def step_slice_numel(numel: int, kind: str) -> int:
+def step_slice_elements(eager: bool) -> int:
+    """The most elements torchao's AdamW steps at once, run eagerly or compiled
+    (Note [pricing the step that runs]).
+
+    Example:
+        >>> step_slice_elements(True), step_slice_elements(False)
+        (65536, 4194304)
+    """
+    return min(STEP_SLICE_ELEMENTS, EAGER_STEP_SLICE_ELEMENTS) if eager else STEP_SLICE_ELEMENTS
+
+
+def step_slice_numel(numel: int, kind: str, eager: bool = False) -> int:
     """The elements one step of a ``numel``-element parameter works on at once: all of them for
-    the user's optimizer (``orig``), at most :data:`STEP_SLICE_ELEMENTS` for torchao's AdamW.
+    the user's optimizer (``orig``), at most :func:`step_slice_elements` for torchao's AdamW.
 
     Example:
         >>> step_slice_numel(10_000_000, "4bit"), step_slice_numel(10_000_000, "orig")
         (4194304, 10000000)
+        >>> step_slice_numel(10_000_000, "4bit", eager=True)
+        65536
     """
-    return numel if kind == "orig" else min(numel, STEP_SLICE_ELEMENTS)
+    return numel if kind == "orig" else min(numel, step_slice_elements(eager))
 
 
 def temp_key(kind: str, weights: str) -> str:
@@ -143,29 +178,16 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
         raise ConfigError(f"weights_bf16 computes in bf16; this profile is at {profile.precision}.")
     wbytes = 2 if weights == "bf16" else facts.weight_bytes
     if weights != profile.weights:
-        half = facts.weight_bytes // wbytes
-        trained = sum(n for ns in facts.params.values() for n in ns)
-        out.param_bytes = (trained + facts.frozen_numel) * wbytes + facts.other_bytes
-        out.grad_bytes = profile.grad_bytes // half
-        out.early_grad_bytes = profile.early_grad_bytes // half
-        for b in out.blocks:
-            b.grad_bytes //= half
-            b.param_bytes = sum(facts.params.get(b.name, [])) * wbytes
-            for mode, value in b.backward_peak_bytes.items():
-                b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
-        out.weights = weights
-        out.notes = [
-            *out.notes,
-            "weights_bf16 predicted from a profile with fp32 weights: parameters and gradients halved, "
-            "activations as measured with autocast (its weight casts included): an upper bound.",
-        ]
+        _bf16_weights(out, profile, facts, wbytes)
     kind = state_kind_of(names)
     numels = [n for ns in facts.params.values() for n in ns]
     if kind != "orig":
         out.optimizer_bytes = sum(state_bytes(n, wbytes, kind, facts.amsgrad) for n in numels)
         out.optimizer = f"torchao AdamW ({kind} state)"
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
-        out.optimizer_temp_bytes = round(per * max((step_slice_numel(n, kind) for n in numels), default=0))
+        # See Note [pricing the step that runs]
+        sliced = (step_slice_numel(n, kind, facts.step_eager) for n in numels)
+        out.optimizer_temp_bytes = round(per * max(sliced, default=0))
         out.optimizer_bytes_by_dtype = {}
         # the step's time: every trained element at the kind's measured cost instead of the
         # user's optimizer's (both measured eagerly: an upper bound;
@@ -181,10 +203,68 @@ def with_levers(profile: Profile, levers: Sequence[str]) -> Profile:
     if "fused_step" in names:
         per = facts.step_temp_per_element.get(temp_key(kind, weights), 0.0)
         out.lever_step_bytes = {
-            part: max((n * wbytes + round(per * step_slice_numel(n, kind)) for n in ns), default=0)
+            part: max(
+                (n * wbytes + round(per * step_slice_numel(n, kind, facts.step_eager)) for n in ns), default=0
+            )
             for part, ns in facts.params.items()
         }
     return out
+
+
+def _bf16_weights(out: Profile, profile: Profile, facts: LeverFacts, wbytes: int) -> None:
+    """``out`` with the fp32 weights of ``profile`` in bf16 (in place)."""
+    half = facts.weight_bytes // wbytes
+    trained = sum(n for ns in facts.params.values() for n in ns)
+    out.param_bytes = (trained + facts.frozen_numel) * wbytes + facts.other_bytes
+    out.grad_bytes = profile.grad_bytes // half
+    out.early_grad_bytes = profile.early_grad_bytes // half
+    delta = facts.weights_saved_delta
+    for b in out.blocks:
+        b.grad_bytes //= half
+        b.param_bytes = sum(facts.params.get(b.name, [])) * wbytes
+        for mode, value in b.backward_peak_bytes.items():
+            b.backward_peak_bytes[mode] = value - profile_grad(profile, b.name) + b.grad_bytes
+        _without_casts(b)
+        _saved_moved(b, delta.get(b.name, 0))
+        # a full block's recompute makes the casts mode none saves again: none with bf16 weights
+        if "full" in b.backward_peak_bytes:
+            recast = max(0, -delta.get(b.name, 0))
+            b.backward_peak_bytes["full"] = max(b.grad_bytes, b.backward_peak_bytes["full"] - recast)
+    _saved_moved(out.outside, delta.get("", 0))
+    out.activation_bytes = max(0, out.activation_bytes + sum(delta.values()))
+    out.weights = "bf16"
+    what = "what autograd saves measured with bf16 weights" if delta else "other activations as measured"
+    out.notes = [
+        *out.notes,
+        "weights_bf16 predicted from a profile with fp32 weights: parameters and gradients halved, "
+        f"autocast's cached weight casts out (bf16 weights are not cast), {what}.",
+    ]
+
+
+def _saved_moved(part: BlockStats, delta: int) -> None:
+    """``part``'s mode ``none`` saving ``delta`` more bytes, in place.
+
+    See Note [the weights measured in bf16] in :mod:`memfit.measuring.lever_facts`.
+    """
+    if not delta or "none" not in part.saved_bytes:
+        return
+    part.saved_bytes["none"] = max(0, part.saved_bytes["none"] + delta)
+    if "none" in part.held_bytes:
+        part.held_bytes["none"] = max(0, part.held_bytes["none"] + delta)
+    if "none" in part.forward_peak_bytes:
+        part.forward_peak_bytes["none"] = max(0, part.forward_peak_bytes["none"] + delta)
+
+
+def _without_casts(block: BlockStats) -> None:
+    """``block`` without autocast's cached bf16 casts of its fp32 weights (in place): what it
+    holds to the forward's end beyond what it saves (Note [held and saved bytes] in
+    :mod:`memfit.stepmodel.memory`), made in its forward, so out of its forward peak too."""
+    for mode, held in block.held_bytes.items():
+        saved = block.saved_bytes.get(mode, held)
+        cache = max(0, held - saved)
+        block.held_bytes[mode] = held - cache
+        if mode in block.forward_peak_bytes:
+            block.forward_peak_bytes[mode] = max(saved, block.forward_peak_bytes[mode] - cache)
 
 
 def _chunked_head(out: Profile, facts: LeverFacts) -> None:
