@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_gpt, token_batch
@@ -161,3 +163,27 @@ def test_plan_leaves_the_model_as_it_was() -> None:
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert 0 < plan.measured_peak_bytes <= plan.budget_bytes
+
+
+def test_a_plan_never_measured_under_budget_reports_the_last_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every plan measures over its budget: the refusal names the last measured peak (the
+    tighter plan that would come next was never measured, so its 0 B is not a measurement)."""
+    from memfit.planning import planner
+
+    model, batch = tiny_gpt(), token_batch()
+    seen: list[int] = []
+
+    def over(self: object, result: Plan, budget: int) -> tuple[int, bool]:
+        seen.append(budget + 1 + len(seen))
+        return seen[-1], True
+
+    def tighter(self: object, profiles: object, result: Plan, budget: object, segments: bool) -> tuple:
+        return dataclasses.replace(result, measured_peak_bytes=0), profiles
+
+    monkeypatch.setattr(planner._Planner, "_measure_in_room", over)
+    monkeypatch.setattr(planner._Planner, "_tighter", tighter)
+    with pytest.raises(memfit.InfeasibleBudget) as info:
+        memfit.plan(model, batch, gpt_loss, "90%", precision="fp32")
+    assert len(seen) == planner._CHECKS
+    assert f"the last measured {format_bytes(seen[-1])}" in str(info.value)
+    assert info.value.minimum_bytes == seen[-1]

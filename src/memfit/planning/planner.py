@@ -183,7 +183,7 @@ class _Planner:
         # blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That error,
         # measured, becomes a safety margin, so the returned plan was seen to fit.
         budget = result.budget_bytes
-        margin = 0
+        margin, measured = 0, 0
         segments = True
         for _ in range(_CHECKS):
             with progress.phase(f"measuring the chosen plan (one tracked step at {result.precision})"):
@@ -209,10 +209,11 @@ class _Planner:
                     budget_bytes=budget,
                 ) from None
             result.budget_bytes = budget
+        # ``result`` is the tighter plan not yet measured: the message reports the last one measured
         raise InfeasibleBudget(
             f"no plan was measured under the budget of {format_bytes(budget)} after {_CHECKS} tries; the "
-            f"last measured {format_bytes(result.measured_peak_bytes)}: raise the budget.",
-            minimum_bytes=result.measured_peak_bytes,
+            f"last measured {format_bytes(measured)}: raise the budget.",
+            minimum_bytes=measured,
             budget_bytes=budget,
         )
 
