@@ -18,7 +18,7 @@ from memfit.budget import format_bytes
 from memfit.checkpointing import block_reasons
 from memfit.levers.frozen import frozen_note
 from memfit.measuring.inplace import inplace_parts
-from memfit.planning.choose import TIE
+from memfit.planning.choose import NOISE_CAP, TIE
 from memfit.planning.standard import PREFER_STANDARD, STANDARD_NAMES, standard_name, standard_solutions
 from memfit.records import Plan, Profile
 from memfit.stepmodel import predict_options_seconds, simulate, time_note
@@ -123,12 +123,22 @@ def head_note(result: Plan, profile: Profile) -> str:
     )
 
 
+def _tie_note(prof: Profile) -> str:
+    """How close plans count as equally fast; see Note [plans repeat] (memfit.planning.choose)."""
+    spread = min(prof.speed.spread if prof.speed is not None else 0.0, NOISE_CAP)
+    return (
+        f"plans predicted within {TIE:.0%} of the fastest step, plus {spread:.0%} of their checkpointing "
+        "extras (the spread of this machine's timings, measured while profiling), count as ties; ties go "
+        "to the fewest ops selective checkpointing dispatches, then the fewest recomputed FLOPs, then "
+        "the lowest peak, so the same call gets the same plan."
+    )
+
+
 def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) -> list[str]:
     notes = [
         *block_notes(model, result.blocks),
         time_note(profiles[result.precision]),
-        f"plans predicted within {TIE:.0%} of the fastest step count as ties (the time model resolves "
-        "no finer); the one with the lowest peak is chosen, so the same model gets the same plan.",
+        _tie_note(profiles[result.precision]),
     ]
     std = standard_note(result, profiles[result.precision])
     if std is not None:
