@@ -105,8 +105,12 @@ class _Blocks:
         # During the forward a block holds its saved bytes plus what only the forward's end
         # frees (autocast's cached weight casts): ``held``; the backward sees ``saved``.
         # The weight casts are the weights' size whatever the micro-batch: they do not shrink.
+        # Only autocast makes them: at fp32 there are none, and what the forward's end frees
+        # shrinks with the micro-batch like the rest.
+        casts = profile.precision in ("bf16", "fp16")
         cache = [
-            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.saved_bytes[m]) for m in o} for b, o in pairs
+            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.saved_bytes[m]) if casts else 0 for m in o}
+            for b, o in pairs
         ]
         self.held = [
             {m: _scaled(b.held_bytes.get(m, b.saved_bytes[m]), s, c[m]) for m in o}
