@@ -130,7 +130,7 @@ def test_bench_recommends_bf16_only_where_it_is_native_and_measured_faster() -> 
     assert "fits is bf16/none" in bench_advice(_points(0.5), 60, _facts(native=True))
     emulated = bench_advice(_points(0.5), 60, _facts(native=False))
     assert "fits is bf16" not in emulated and "no measured strategy fits" in emulated
-    assert "For memory only: bf16/none fits" in emulated and "bf16 is emulated on cpu" in emulated
+    assert "For memory only: bf16/none fits" in emulated and "bf16 is not native on cpu" in emulated
     slower = bench_advice(_points(9.19), 80, _facts(native=True))
     assert "fits is fp32/full" in slower and "bf16 measured 9.19x the step time of fp32/none" in slower
     assert "For memory only" not in slower  # fp32/full fits: bf16 is not named for memory
@@ -161,7 +161,7 @@ def test_estimate_puts_emulated_precisions_after_fp32(
     out = capsys.readouterr().out
     first = "bf16" if native else "fp32"
     assert out.strip().splitlines()[-1].startswith(f"fits in 1.00 GiB: {first} with no checkpointing")
-    assert ("bf16 is emulated on cpu" in out) is not native
+    assert ("bf16 is not native on cpu" in out) is not native
 
 
 def test_speed_order_and_slow_precisions() -> None:
@@ -171,7 +171,7 @@ def test_speed_order_and_slow_precisions() -> None:
     assert [e.precision for e in speed_order(entries, None)] == ["bf16", "fp32"]
     assert slow_precisions(_facts(True)) == []
     assert "use bf16" not in recommendation_line(_facts(False))
-    assert "emulated" in recommendation_line(_facts(False))
+    assert "not native" in recommendation_line(_facts(False))
     assert recommendation_line(_facts(True)) == "use bf16 autocast"
 
 

@@ -275,7 +275,7 @@ def recommendation_line(facts: DeviceFacts) -> str:
 
     Example:
         >>> recommendation_line(DeviceFacts("cpu", "cpu", "CPU", 0, bf16_runs=True)).split("(")[1]
-        'bf16 runs here but is emulated: slow, use it only to save memory)'
+        'bf16 runs here but is not native: not reliably faster, use it only to save memory)'
     """
     choice = recommend_precision(facts)
     slow = slow_precisions(facts)
@@ -287,7 +287,8 @@ def recommendation_line(facts: DeviceFacts) -> str:
         return "fp32 compute; save memory with checkpointing"
     verb = "runs here but is" if len(slow) == 1 else "run here but are"
     return (
-        f"fp32 compute; save memory with checkpointing ({' and '.join(slow)} {verb} emulated: slow, use "
+        f"fp32 compute; save memory with checkpointing ({' and '.join(slow)} {verb} not native: not "
+        "reliably faster, use "
         f"{'it' if len(slow) == 1 else 'them'} only to save memory)"
     )
 

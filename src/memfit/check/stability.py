@@ -57,7 +57,7 @@ def hardware_facts(facts: DeviceFacts, precisions: Sequence[str]) -> list[str]:
             lines.append(f"{p} runs natively on this device: the numerics checked are the ones training gets")
         else:
             lines.append(
-                f"{p} on this {facts.type.upper()} is emulated: the check covers numerics only and says "
+                f"{p} is not native on this {facts.type.upper()}: the check covers numerics only and says "
                 "nothing about speed"
             )
     return lines + [f"note: {n}" for n in facts.notes]

@@ -38,7 +38,10 @@ def slow_points(points: Sequence[BenchPoint], facts: DeviceFacts) -> dict[str, s
             continue
         ref = fp32.get(p.checkpointing)
         if p.precision in emulated:
-            out[p.strategy] = f"{p.precision} is emulated on {facts.name} (see memfit doctor)"
+            out[p.strategy] = (
+                f"{p.precision} is not native on {facts.name}: not reliably faster than fp32 "
+                "(see memfit doctor)"
+            )
         elif ref is not None and ref.step_seconds > 0 and p.step_seconds > ref.step_seconds:
             out[p.strategy] = (
                 f"{p.precision} measured {p.step_seconds / ref.step_seconds:.2f}x the step time of "

@@ -235,6 +235,7 @@ def _speed_note(ordered: list[EstimateEntry], facts: DeviceFacts | None) -> str 
         return None
     one = len(slow) == 1
     return (
-        f"speed: {' and '.join(slow)} {'is' if one else 'are'} emulated on {facts.name} (see memfit doctor), "
-        f"so slow there and listed after fp32; {'it saves' if one else 'they save'} memory as shown."
+        f"speed: {' and '.join(slow)} {'is' if one else 'are'} not native on {facts.name} (see memfit "
+        "doctor): not reliably faster than fp32, so listed after it; "
+        f"{'it saves' if one else 'they save'} memory as shown."
     )
