@@ -128,7 +128,7 @@ def _tie_note(prof: Profile) -> str:
     spread = min(prof.speed.spread if prof.speed is not None else 0.0, NOISE_CAP)
     return (
         f"plans predicted within {TIE:.0%} of the fastest step, plus {spread:.0%} of their checkpointing "
-        "extras (the spread of this machine's timings, measured while profiling), count as ties; ties go "
+        "extras (the spread measured in this machine's block times while profiling), count as ties; ties go "
         "to the fewest ops selective checkpointing dispatches, then the fewest recomputed FLOPs, then "
         "the lowest peak, so the same call gets the same plan."
     )

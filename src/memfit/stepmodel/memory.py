@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from memfit.records import BREAKDOWN_KEYS, BlockStats, Profile
 from memfit.stepmodel.options import Option, Segments, block_options, micro_batch_scale, tiling
+from memfit.vocab import MIXED_PRECISIONS
 
 __all__ = ["Event", "Simulation", "events", "simulate"]
 
@@ -107,7 +108,7 @@ class _Blocks:
         # The weight casts are the weights' size whatever the micro-batch: they do not shrink.
         # Only autocast makes them: at fp32 there are none, and what the forward's end frees
         # shrinks with the micro-batch like the rest.
-        casts = profile.precision in ("bf16", "fp16")
+        casts = profile.precision in MIXED_PRECISIONS
         cache = [
             {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.saved_bytes[m]) if casts else 0 for m in o}
             for b, o in pairs
