@@ -7,45 +7,13 @@ identical calls, each timing its blocks under the load, choose one plan.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-
 import pytest
 import torch
+from busy_machine import busy_cores, plan_key
 from conftest import tiny_gpt, token_batch
 
 import memfit
 from memfit.models.gpt import gpt_loss
-
-
-@contextmanager
-def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """A Python process spinning on each core while the body runs, ended after it."""
-    hogs: list[subprocess.Popen[bytes]] = []
-    try:
-        for _ in range(os.cpu_count() or 1):
-            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
-        yield hogs
-    finally:
-        for hog in hogs:
-            hog.kill()
-        for hog in hogs:
-            hog.wait()
-
-
-def _key(plan: memfit.Plan) -> str:
-    return json.dumps((plan.blocks, plan.segments, plan.precision, plan.micro_batches))
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
 
 
 # 70%: every block fully checkpointed ties a segment that saves a checkpoint call (a price
@@ -60,6 +28,6 @@ def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
         # whole timed steps that this rule does not cover (tests/planning/test_plan_stability.py)
         plans = [memfit.plan(model, batch, gpt_loss, budget, opt, precision="fp32") for _ in range(3)]
         assert all(h.poll() is None for h in hogs)  # the load lasted every call
-    assert len({_key(p) for p in plans}) == 1, [_key(p) for p in plans]
+    assert len({plan_key(p) for p in plans}) == 1, [plan_key(p) for p in plans]
     assert any(m != "none" for m in plans[0].blocks.values())  # the budget needs checkpointing
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)

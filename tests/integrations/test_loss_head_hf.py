@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers", reason="memfit[hf] extra (tra
 
 from memfit.levers import apply_levers, remove_levers  # noqa: E402
 from memfit.levers.head import chunked_head_of, find_head, head_refusal, install_chunked_head  # noqa: E402
-from memfit.records import Plan  # noqa: E402
+from memfit.records import Plan, Profile  # noqa: E402
 
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
 VOCAB = 1000
@@ -153,23 +153,31 @@ def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -
     return watch.peak_bytes
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "cohere", "llama", "phi"])
-def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
+def _head_profile(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], opt: torch.optim.Optimizer
+) -> Profile:
+    """The model's fp32 profile without checkpointing, with its lever facts (the head's too)."""
     import memfit
     from memfit.measuring.lever_facts import attach_lever_facts
     from memfit.measuring.preserve import preserved
     from memfit.measuring.profile import Profiler
     from memfit.precision import Precision
+
+    with preserved(model, opt):
+        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
+        profiler.none()
+        blocks = memfit.find_blocks(model)
+        return attach_lever_facts(profiler.result(), model, opt, blocks, (batch, labels_loss))
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "gemma2", "cohere", "llama", "phi"])
+def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
     from memfit.stepmodel import simulate
     from memfit.stepmodel.with_levers import with_levers
 
     model, batch = _big(kind), _big_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with preserved(model, opt):
-        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
-        profiler.none()
-        blocks = memfit.find_blocks(model)
-        profile = attach_lever_facts(profiler.result(), model, opt, blocks, (batch, labels_loss))
+    profile = _head_profile(model, batch, opt)
     assert profile.lever_facts.head is not None and not profile.lever_facts.head.refused
     plain = _measured(model, batch, opt, Plan(blocks={}))
     chunked = _measured(model, batch, opt, Plan(blocks={}, levers=["chunked_loss"]))
@@ -187,23 +195,13 @@ def test_the_chunk_size_is_applied_and_predicted_at_a_third_size(kind: str) -> N
     """Tied (Qwen2) and biased (Phi) heads at 16k: the head is measured at the default chunk
     (all 192 tokens) and at the ladder's smallest; a step at 48 tokens a chunk, applied from
     the plan, is predicted within 5% of MemTracker's count."""
-    import memfit
-    from memfit.measuring.lever_facts import attach_lever_facts
-    from memfit.measuring.preserve import preserved
-    from memfit.measuring.profile import Profiler
-    from memfit.precision import Precision
     from memfit.stepmodel import simulate
     from memfit.stepmodel.head_chunks import at_chunk
     from memfit.stepmodel.with_levers import with_levers
 
     model, batch = _big(kind), _big_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    with preserved(model, opt):
-        profiler = Profiler(model, batch, labels_loss, opt, Precision("fp32"))
-        profiler.none()
-        profile = attach_lever_facts(
-            profiler.result(), model, opt, memfit.find_blocks(model), (batch, labels_loss)
-        )
+    profile = _head_profile(model, batch, opt)
     head = profile.lever_facts.head
     assert head.default_chunk_tokens == 192 and head.small_chunk_tokens == 3
     plan = Plan(blocks={}, levers=["chunked_loss"], loss_chunk_tokens=48)

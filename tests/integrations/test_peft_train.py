@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,13 +75,20 @@ def _quiet(_line: str) -> None:
     pass
 
 
-def test_lora_section_trains_adapters_and_resumes_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
-    whole = load_config(_config(tmp_path, text_file, "straight"))
-    straight = train_from_config(whole, progress=False, echo=_quiet)
-    assert type(straight.trainer.model).__name__ == "PeftModel"
-    first = _config(tmp_path, text_file, "split", steps=3)
-    train_from_config(load_config(first), progress=False, echo=_quiet)
-    cfg = load_config(first, [f"train.steps={STEPS}"])
+def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Equal as stored: an NF4 weight's codes, block scales and their scales, bit for bit."""
+    if not frozen.is_nf4(x) or not frozen.is_nf4(y):
+        return not frozen.is_nf4(x) and not frozen.is_nf4(y) and torch.equal(x, y)
+    names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
+    return all(torch.equal(getattr(x, n).clone(), getattr(y, n).clone()) for n in names)
+
+
+def _split_and_resumed(tmp_path: Path, data: Path, straight: Any, settings: list[str]) -> tuple[Any, dict]:
+    """Train 3 steps, resume to the end; assert the run equals ``straight`` bit for bit (losses,
+    validation losses, every stored tensor); return the resumed config and straight's state."""
+    first = _config(tmp_path, data, "split", steps=3)
+    train_from_config(load_config(first, settings), progress=False, echo=_quiet)
+    cfg = load_config(first, [*settings, f"train.steps={STEPS}"])
     resumed = train_from_config(cfg, resume=str(tmp_path / "split" / "state.pt"), progress=False, echo=_quiet)
     assert resumed.resumed_from == 3
     got = read_metrics(tmp_path / "split" / "metrics.jsonl")
@@ -88,7 +96,15 @@ def test_lora_section_trains_adapters_and_resumes_bit_for_bit(tmp_path: Path, te
     assert [m.val_loss for m in got] == [m.val_loss for m in straight.history]
     a = load_state(straight.state_path)["model"]
     b = load_state(resumed.state_path)["model"]
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return cfg, a
+
+
+def test_lora_section_trains_adapters_and_resumes_bit_for_bit(tmp_path: Path, text_file: Path) -> None:
+    whole = load_config(_config(tmp_path, text_file, "straight"))
+    straight = train_from_config(whole, progress=False, echo=_quiet)
+    assert type(straight.trainer.model).__name__ == "PeftModel"
+    cfg, a = _split_and_resumed(tmp_path, text_file, straight, [])
     # the frozen base is the model as built; the adapters trained
     torch.manual_seed(3)
     fresh = build_model(cfg.model).model.state_dict()
@@ -117,14 +133,6 @@ def test_bad_adapter_settings_are_one_sentence_and_exit_2(
     assert not (tmp_path / "bad" / "state.pt").exists()
 
 
-def _same(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Equal as stored: an NF4 weight's codes, block scales and their scales, bit for bit."""
-    if not frozen.is_nf4(x) or not frozen.is_nf4(y):
-        return not frozen.is_nf4(x) and not frozen.is_nf4(y) and torch.equal(x, y)
-    names = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
-    return all(torch.equal(getattr(x, n).clone(), getattr(y, n).clone()) for n in names)
-
-
 @pytest.mark.parametrize("base", ["bf16", "nf4"])
 def test_a_bf16_or_nf4_base_trains_the_adapters_and_resumes_bit_for_bit(
     tmp_path: Path, text_file: Path, base: str, capsys: pytest.CaptureFixture[str]
@@ -141,17 +149,7 @@ def test_a_bf16_or_nf4_base_trains_the_adapters_and_resumes_bit_for_bit(
     assert straight.trainer.precision.mode == "bf16"
     report = (tmp_path / "straight" / "report.md").read_text(encoding="utf-8")
     assert "frozen base" in report and f"{base} (" in report
-    first = _config(tmp_path, text_file, "split", steps=3)
-    train_from_config(load_config(first, settings), progress=False, echo=_quiet)
-    cfg = load_config(first, [*settings, f"train.steps={STEPS}"])
-    resumed = train_from_config(cfg, resume=str(tmp_path / "split" / "state.pt"), progress=False, echo=_quiet)
-    assert resumed.resumed_from == 3
-    got = read_metrics(tmp_path / "split" / "metrics.jsonl")
-    assert [m.loss for m in got] == [m.loss for m in straight.history]  # bit for bit
-    assert [m.val_loss for m in got] == [m.val_loss for m in straight.history]
-    a = load_state(straight.state_path)["model"]
-    b = load_state(resumed.state_path)["model"]
-    assert a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    cfg, a = _split_and_resumed(tmp_path, text_file, straight, settings)
     # the frozen base is a fresh build stored the same way; only the adapters trained
     torch.manual_seed(3)
     model = build_model(cfg.model).model
