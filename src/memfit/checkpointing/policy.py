@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,7 +23,15 @@ from torch.utils import checkpoint as _ckpt
 
 from memfit.vocab import CheckpointMode
 
-__all__ = ["SAVE_OPS", "compiled_contexts", "keep_running_stats", "selective_policy", "selective_saves"]
+__all__ = [
+    "SAVE_OPS",
+    "compiled_contexts",
+    "in_recompute_region",
+    "keep_running_stats",
+    "recompute_region",
+    "selective_policy",
+    "selective_saves",
+]
 
 _aten = torch.ops.aten
 # Note [what selective checkpointing saves]
@@ -46,15 +55,48 @@ if hasattr(_aten, "_scaled_mm"):
     SAVE_OPS.add(_aten._scaled_mm)
 
 
+# Note [ops selective checkpointing must not keep]
+# A mechanism that computes a large intermediate piece by piece and recomputes it itself
+# (the tiled MLP, memfit.levers.tiled_mlp) runs its pieces inside recompute_region(): there
+# selective checkpointing keeps no op's output, else the pieces' matmul outputs would all be
+# kept to the backward and the whole intermediate would exist after all. The forward and the
+# recompute of a checkpointed block run the same ops in the region, so SAC's counts agree.
+_REGION = threading.local()
+
+
+@contextlib.contextmanager
+def recompute_region() -> Iterator[None]:
+    """Inside, selective checkpointing keeps no op's output.
+
+    See Note [ops selective checkpointing must not keep].
+
+    Example:
+        >>> with recompute_region():
+        ...     in_recompute_region()
+        True
+        >>> in_recompute_region()
+        False
+    """
+    _REGION.depth = getattr(_REGION, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _REGION.depth -= 1
+
+
+def in_recompute_region() -> bool:
+    """Whether the calling thread runs inside :func:`recompute_region`."""
+    return getattr(_REGION, "depth", 0) > 0
+
+
 def selective_saves(func: Any) -> bool:
     """Whether selective checkpointing keeps the output of ``func`` (an aten op or op packet)."""
     return getattr(func, "overloadpacket", func) in SAVE_OPS
 
 
 def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.CheckpointPolicy:
-    return (
-        _ckpt.CheckpointPolicy.MUST_SAVE if selective_saves(func) else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
-    )
+    keep = selective_saves(func) and not in_recompute_region()
+    return _ckpt.CheckpointPolicy.MUST_SAVE if keep else _ckpt.CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:

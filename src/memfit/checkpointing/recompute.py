@@ -48,6 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from memfit.checkpointing.policy import (
     compiled_contexts,
+    in_recompute_region,
     keep_running_stats,
     selective_policy,
     selective_saves,
@@ -221,7 +222,7 @@ class _Watch(TorchDispatchMode):
         if call.selective and func not in _IGNORED:
             n = self.count[func]
             self.count[func] = n + 1
-            if selective_saves(func):
+            if selective_saves(func) and not in_recompute_region():
                 call.keep((func, n), out)
         return out
 
