@@ -86,7 +86,8 @@ def chunk_spans(length: int, chunks: int) -> list[tuple[int, int]]:
 # chunk again with grad on a detached slice of the input and asks autograd for the gradients
 # of that slice and of the module's trainable parameters (LoRA adapters included). The
 # input's gradient is written slice by slice into one tensor: each position's gradient goes
-# through the same ops as in the plain module (equal in fp32 on the CPU, tested). A
+# through the same ops as in the plain module (in fp32 equal, or a last-bit difference where
+# a matmul of a few rows takes another kernel). A
 # parameter's gradient is the sum of its chunks' (returned once, so a gradient hook or a
 # fused optimizer step sees one gradient, as with the plain module): the same terms summed in
 # another order, equal to rounding (fp32: a few ulps). Under bf16 autocast a matmul's result
@@ -300,8 +301,9 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
 # position must leave the others' outputs as they were. The probe is no part of the step:
 # it runs with every dispatch mode set aside (a checkpoint's selective-checkpoint counters,
 # MemTracker: a few bytes for three positions), keeps what autograd saves to itself (a
-# checkpoint's saved-tensor count) and puts no weight cast in autocast's cache, so the forward and the recompute of a checkpointed block
-# run the same ops. Under fake tensors (estimates) and torch.compile it is left out.
+# checkpoint's saved-tensor count) and puts no weight cast in autocast's cache, so the
+# forward and the recompute of a checkpointed block run the same ops. Under fake tensors
+# (estimates) and torch.compile it is left out.
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:
