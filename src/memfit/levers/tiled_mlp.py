@@ -84,19 +84,21 @@ def chunk_spans(length: int, chunks: int) -> list[tuple[int, int]]:
 # Note [the tiled MLP's gradients]
 # The forward runs each chunk under no_grad and keeps only the input; the backward runs each
 # chunk again with grad on a detached slice of the input and asks autograd for the gradients
-# of that slice and of the module's trainable parameters (LoRA adapters included). The
-# input's gradient is written slice by slice into one tensor: each position's gradient goes
-# through the same ops as in the plain module (in fp32 equal, or a last-bit difference where
-# a matmul of a few rows takes another kernel). A
-# parameter's gradient is the sum of its chunks' (returned once, so a gradient hook or a
-# fused optimizer step sees one gradient, as with the plain module): the same terms summed in
-# another order, equal to rounding (fp32: a few ulps). Under bf16 autocast a matmul's result
-# can depend on how many rows it has (the kernel's blocking) and each chunk's weight gradient
-# is rounded to bf16 before the sum, so gradients differ from the plain module's by about a
-# bf16 rounding, less than bf16 differs from fp32 (tested). While the sum is made, one chunk's
-# parameter gradients exist beside it. The forward's autocast state and RNG state are
-# replayed (dropout draws the same masks, in chunk order), and every chunk runs in a
-# recompute_region so that selective checkpointing does not keep the chunks' matmul outputs
+# of that slice and of the module's trainable parameters (LoRA adapters included). The input's
+# gradient is written slice by slice into one tensor: each position's gradient goes through
+# the same ops as in the plain module (in fp32 equal, or a last-bit difference where a matmul
+# of a few rows takes another kernel). A parameter's gradient is the sum of its chunks'
+# (returned once, so a gradient hook or a fused optimizer step sees one gradient, as with the
+# plain module): the same terms summed in another order, equal to rounding (fp32: a few ulps).
+# Under bf16 autocast a matmul's result can depend on how many rows it has (the kernel's
+# blocking) and each chunk's weight gradient is rounded to bf16 before the sum, so gradients
+# differ from the plain module's by about a bf16 rounding, less than bf16 differs from fp32
+# (tested). While the sum is made, one chunk's parameter gradients exist beside it. The chunk
+# a recompute starts from is a view of a detached slice, not a leaf: FlopCounterMode's module
+# tracker hooks every module input that needs a gradient, and such a hook cannot run on a leaf
+# inside autograd.grad. The forward's autocast state and RNG state are replayed (dropout draws
+# the same masks, in chunk order), and every chunk runs in a recompute_region so that
+# selective checkpointing does not keep the chunks' matmul outputs
 # (See Note [ops selective checkpointing must not keep]). Under block checkpointing the
 # block's recompute runs the chunked forward once more: three forwards of the MLP in all.
 
@@ -118,9 +120,10 @@ class _Tiled(torch.autograd.Function):
         ctx.run, ctx.params = run, params
         ctx.save_for_backward(x)
         out: torch.Tensor | None = None
+        plain = x.detach()  # chunks that are views of a grad-requiring input confuse module hooks
         with recompute_region():
             for start, size in run.spans:
-                y = run.fn(x.narrow(run.dim, start, size))
+                y = run.fn(plain.narrow(run.dim, start, size))
                 out = _place(out, y, x, run.dim, start, size)
                 del y
         assert out is not None
@@ -137,6 +140,10 @@ class _Tiled(torch.autograd.Function):
         with _Replay(run, x.device), recompute_region():
             for start, size in run.spans:
                 piece = x.narrow(run.dim, start, size).detach().requires_grad_(need_x)
+                if (
+                    need_x
+                ):  # not a leaf: module trackers hook a module's inputs (Note [the tiled MLP's gradients])
+                    piece = piece.view_as(piece)
                 y = run.fn(piece)
                 wanted = ([piece] if need_x else []) + params
                 grads = torch.autograd.grad(
@@ -146,6 +153,7 @@ class _Tiled(torch.autograd.Function):
                 if grad_x is not None:
                     grad_x.narrow(run.dim, start, size).copy_(grads[0])
                 _accumulate(sums, grads[1:] if need_x else grads)
+                del grads, piece  # freed before the next chunk (Note [the tiled MLP's gradients])
         it = iter(sums)
         return (None, grad_x, *(next(it) if n else None for n in need_p))
 

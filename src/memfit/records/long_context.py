@@ -1,0 +1,79 @@
+"""What the long-context levers' prices rest on: the tiled MLP's bytes, the host link's speed.
+
+:class:`TiledMlpFacts` is measured on one MLP alone at the step's shape
+(:func:`memfit.measuring.tiled_mlp_facts.tiled_mlp_facts`) and read by
+:mod:`memfit.stepmodel.tiled_mlp`; :class:`HostLinkFacts` by :mod:`memfit.stepmodel.offload`.
+
+Example:
+    >>> f = TiledMlpFacts(modules=["blocks.0.mlp"], rows=1, positions=64, hidden=32,
+    ...                   plain={"none": MlpCost(100, 300, 400)})
+    >>> TiledMlpFacts.from_json(f.to_json()) == f
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memfit.records.base import Record
+
+__all__ = ["HostLinkFacts", "MlpCost", "TiledMlpFacts"]
+
+
+@dataclass
+class MlpCost(Record):
+    """Bytes of one MLP's forward and backward at the step's shape, as MemTracker counts them,
+    each above the total just before its forward (its input alive), in one checkpointing mode
+    (the MLP alone checkpointed as a block would be)."""
+
+    saved_bytes: int = 0
+    """Kept from its forward to its backward (its output, which the block's residual add
+    frees, not counted; in a checkpointed mode, the checkpoint's input)."""
+    forward_peak_bytes: int = 0
+    """Highest while its forward runs."""
+    backward_peak_bytes: int = 0
+    """Highest while its backward runs, recompute and its parameters' gradients included."""
+    held_bytes: int = 0
+    """Alive when its forward returns: the kept bytes and autocast's weight casts, which the
+    forward's end frees where the backward does not keep them (0: not measured)."""
+
+
+@dataclass
+class TiledMlpFacts(Record):
+    """One block's MLP, plain and tiled at each chunk count of the ladder, per checkpointing
+    mode; every MLP in :attr:`modules` is taken to cost the same (a decoder's MLPs have one
+    shape)."""
+
+    modules: list[str] = field(default_factory=list)
+    """The MLPs the tiled MLP runs (:func:`memfit.levers.tiled_mlp.find_mlps`)."""
+    rows: int = 0
+    """Sequences in the step (the input's dimensions before the sequence, multiplied)."""
+    positions: int = 0
+    """Positions per sequence: what the chunks split."""
+    hidden: int = 0
+    """The MLP input's last dimension."""
+    plain: dict[str, MlpCost] = field(default_factory=dict)
+    """Per checkpointing mode, the plain MLP's bytes."""
+    chunk_counts: list[int] = field(default_factory=list)
+    """The chunk counts measured (:func:`memfit.stepmodel.tiled_mlp.mlp_chunk_counts`), fewest
+    first (none where the sequence is too short to split)."""
+    tiled: list[dict[str, MlpCost]] = field(default_factory=list)
+    """Per measured chunk count (same order), per mode, the tiled MLP's bytes."""
+    refused: str = ""
+    """Why the tiled MLP cannot run on this step ("" : it can)."""
+
+
+@dataclass
+class HostLinkFacts(Record):
+    """The link between device and host memory, measured on the device with pinned buffers
+    (:func:`memfit.measuring.tiled_mlp_facts.host_link_facts`)."""
+
+    device: str = ""
+    to_host_bytes_per_second: float = 0.0
+    """Device to pinned host memory, on a side stream."""
+    to_device_bytes_per_second: float = 0.0
+    """Pinned host memory to the device, on a side stream."""
+    probe_bytes: int = 0
+    """Bytes of the buffer each copy was timed on (median of a few)."""
+    refused: str = ""
+    """Why activations cannot go to host memory here ("" : they can), e.g. a CPU."""
