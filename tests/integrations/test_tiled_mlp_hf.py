@@ -107,3 +107,75 @@ def test_lora_adapters_inside_the_mlp_get_the_plain_gradients(mode: str | None) 
     names = install_tiled_mlp(model, chunks=5)
     assert names == ["base_model.model.model.layers.0.mlp", "base_model.model.model.layers.1.mlp"]
     _assert_same(plain, _step(model, x))
+
+
+def _labels_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=x, labels=x).loss
+
+
+def _tracked_profile(model: nn.Module, x: torch.Tensor, opt: torch.optim.Optimizer, mode: str) -> object:
+    """Tracked steps, not fake tensors: under fake tensors scaled_dot_product_attention takes
+    the math kernel (a sequence x sequence matrix), on a CPU the flash kernel runs."""
+    from memfit.measuring.preserve import preserved
+    from memfit.measuring.profile import Profiler
+    from memfit.precision import Precision
+
+    with preserved(model, opt):
+        profiler = Profiler(model, x, _labels_loss, opt, Precision("fp32"))
+        profiler.none()
+        if mode != "none":
+            profiler.modes([mode])
+        return profiler.result()
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_a_decoders_step_peak_drops_by_the_predicted_bytes(mode: str) -> None:
+    """Llama (2 layers, 64 wide, intermediate 256) on one sequence of 768 tokens through its own
+    ``labels=`` loss: profiled without the tiled MLP, the MLP measured alone, the step measured
+    with it (MemTracker around a whole step)."""
+    from memfit.measuring.long_context import tiled_mlp_facts
+    from memfit.measuring.preserve import create_optimizer_state, preserved
+    from memfit.measuring.tracker import MemoryWatch
+    from memfit.precision import Precision
+    from memfit.step import training_step
+    from memfit.stepmodel import simulate
+    from memfit.stepmodel.tiled_mlp import with_tiled_mlp
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=256, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=VOCAB, max_position_embeddings=1024, use_cache=False,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    x = torch.randint(0, VOCAB, (1, 768), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def measured(chunks: int) -> int:
+        with preserved(model, opt):
+            if mode != "none":
+                memfit.checkpoint(model, mode=mode)
+            if chunks > 1:
+                install_tiled_mlp(model, chunks)
+            create_optimizer_state(model, opt)
+            with MemoryWatch(model, opt) as watch:
+                training_step(model, x, _labels_loss, opt, Precision("fp32"))
+            remove_tiled_mlp(model)
+            memfit.uncheckpoint(model)
+        return watch.peak_bytes
+
+    facts = tiled_mlp_facts(model, x, _labels_loss, "fp32")
+    assert facts.modules == ["model.layers.0.mlp", "model.layers.1.mlp"] and facts.positions == 768
+    profile = _tracked_profile(model, x, opt, mode)
+    install_tiled_mlp(model, facts.chunk_counts[-1])  # the floor: every MLP at the last count
+    floor = _tracked_profile(model, x, opt, mode)
+    remove_tiled_mlp(model)
+    plain = measured(1)
+    assert abs(simulate(profile, mode).peak_bytes - plain) <= 0.001 * plain  # the step model's own check
+    for chunks in (4, 32):
+        drop = plain - measured(chunks)
+        predicted = (
+            simulate(profile, mode).peak_bytes
+            - simulate(with_tiled_mlp(profile, facts, chunks, floor), mode).peak_bytes
+        )
+        print(f"HF Llama {mode} {chunks} chunks: the peak drops by {drop:,} B, predicted {predicted:,} B")
+        assert drop > 0 and abs(predicted - drop) <= 0.05 * drop
