@@ -110,6 +110,29 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_flatten(tree)[0] if isinstance(x, torch.Tensor)]
 
 
+# Note [inputs kept through autograd]
+# A block's recompute starts from its inputs, so something must hold them from the forward
+# to the backward. The call holds them as autograd does a node's inputs, through a node that
+# saves them (as torch.utils.checkpoint's own _NoopSaveInputs does), made once the checkpoint
+# has returned: outside the checkpoint's own saved-tensor hooks, inside any a caller put
+# around the block (memfit's activation offload, memfit.levers.offload; torch's
+# save_on_cpu), which then sees, and may move, the inputs. The recompute unpacks them (a
+# change made in place after the forward is caught there and named) and drops them once done.
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves its tensor inputs for nobody's backward: their keeper (Note [inputs kept through autograd])."""
+
+    @staticmethod
+    def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return torch.empty(0, device=dummy.device)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # never called: nothing reads its output
+        raise AssertionError("the inputs' keeper of a checkpointed block ran backward")
+
+
 class _BlockCall:
     """The state of one call: what the recompute starts from, and the copies made for it."""
 
@@ -130,6 +153,10 @@ class _BlockCall:
         self.kept_at: dict[int, list[_Key]] = defaultdict(list)  # storage -> kept outputs in it
         self.kept_versions: dict[_Key, list[int]] = {}
         self.cow: dict[_Key, Any] = {}  # kept outputs copied before an in-place op wrote to them
+        self.saver: torch.Tensor | None = (
+            None  # holds the tensor inputs (Note [inputs kept through autograd])
+        )
+        self.saved_at: list[int] = []
 
     def __call__(self, *anchor: torch.Tensor) -> Any:
         if self.call is not None:  # the forward
@@ -174,15 +201,49 @@ class _BlockCall:
         self.kept_at.clear()
         self.inputs.clear()
 
+    def keep_inputs(self) -> None:
+        """After the forward, outside the checkpoint: hold the tensor inputs through autograd."""
+        self.saved_at = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
+        if not self.saved_at:
+            return
+        tensors = [self.leaves[i] for i in self.saved_at]
+        dummy = torch.empty(0, requires_grad=True)
+        self.saver = _SaveInputs.apply(dummy, *tensors)
+        for i in self.saved_at:
+            self.leaves[i] = None
+
+    def _restore_inputs(self) -> None:
+        assert self.saver is not None
+        try:
+            tensors = self.saver.grad_fn.saved_tensors  # type: ignore[union-attr]
+        except RuntimeError as exc:
+            if "modified by an inplace operation" not in str(exc):
+                raise
+            raise self._changed() from None
+        for i, t in zip(self.saved_at, tensors, strict=True):
+            self.leaves[i] = t
+
+    def after_recompute(self) -> None:
+        """Drop the inputs brought back for the recompute (autograd still holds them)."""
+        if self.saver is not None:
+            for i in self.saved_at:
+                self.leaves[i] = None
+
+    def _changed(self) -> CheckpointError:
+        return CheckpointError(
+            f"an input of the checkpointed block {type(self.module).__name__} was "
+            "modified in place after the block's forward returned, so its recompute would "
+            "start from different values; do not checkpoint this block (mode 'none')."
+        )
+
     def before_recompute(self) -> None:
         """Check no input changed since the forward; give copies of grad-requiring inputs a graph."""
-        for i, version in self.versions.items():
-            if i not in self.copied and self.leaves[i]._version != version:
-                raise CheckpointError(
-                    f"an input of the checkpointed block {type(self.module).__name__} was "
-                    "modified in place after the block's forward returned, so its recompute would "
-                    "start from different values; do not checkpoint this block (mode 'none')."
-                )
+        if self.saver is not None:
+            self._restore_inputs()  # autograd checks their versions as it hands them back
+        else:
+            for i, version in self.versions.items():
+                if i not in self.copied and self.leaves[i]._version != version:
+                    raise self._changed()
         # Note [grad-requiring copies]
         # This runs under the recompute's enable_grad, before the selective-checkpoint replay
         # mode is entered (it must not count this clone as one of the block's ops). An in-place
@@ -276,13 +337,15 @@ def run_checkpointed(
     # device still tells checkpoint which device's RNG and autocast state to replay.
     # See Note [what a recompute replays]
     anchor = torch.empty(0, device=device)
-    return _ckpt.checkpoint(
+    out = _ckpt.checkpoint(
         call,
         anchor,
         use_reentrant=False,
         preserve_rng_state=True,
         context_fn=functools.partial(_contexts, call),
     )
+    call.keep_inputs()
+    return out
 
 
 def _contexts(call: _BlockCall) -> tuple[Any, Any]:
@@ -336,9 +399,12 @@ def _forward(call: _BlockCall, caching: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def _recompute(call: _BlockCall, cached: Any) -> Iterator[None]:
     call.before_recompute()
-    with keep_running_stats(call.module):
-        if cached is None:
-            yield
-        else:
-            with cached, _Replay(call):
+    try:
+        with keep_running_stats(call.module):
+            if cached is None:
                 yield
+            else:
+                with cached, _Replay(call):
+                    yield
+    finally:
+        call.after_recompute()
