@@ -3,7 +3,7 @@
 # run again, a step that does not fit the capped allocator planned and trained, compiled training beside the compiler's own activation_memory_budget, then
 # `memfit bench` on a GPT-2-medium-sized built-in GPT
 # (24 layers, 1024 wide, 16 heads, sequence 1024, ~302M parameters) with fp32, bf16 and fp16
-# on CUDA, peaks from the CUDA allocator's statistics. Sized to finish in under 8 minutes on
+# on CUDA, peaks from the CUDA allocator's statistics. Sized to finish in under 10 minutes on
 # one NVIDIA H200 (copies not running are parked in host memory: ~55 GiB of host RAM).
 #
 # Usage:  benchmarks/gpu_check.sh [OUT_DIR]        (default OUT_DIR: gpu-check-out)
@@ -13,11 +13,14 @@
 #         25M parameters profiled once, then 2 + 3 + 5 training steps), the step that does not fit
 #         at most 90 s (expected ~20 s: an 8 x 512 GPT planned under fake tensors), offload at most 60 s
 #         (expected ~10 s: one forward and backward of a 6-layer GPT with and without offload), the
+#         offload benchmark at most 120 s (expected ~1 min: four 8 x 1024 LLaMAs at 32k tokens, 7 steps
+#         each: full checkpointing alone, + offload, + the tiled MLP, + both), the
 #         compiled comparison at most 150 s (expected ~1-2 min: 8 variants of a 6 x 512 GPT compiled
 #         once each), the bench at most 330 s
 #         (expected ~3-4 min: 15 strategies, each copied to the GPU, warmed up, tracked, then 3
 #         interleaved timed steps).
-# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/room-cuda.log (its RESULT line), OUT_DIR/offload-cuda.log, OUT_DIR/compile.md,
+# Output: OUT_DIR/pytest-gpu.log, OUT_DIR/oom-cuda.log, OUT_DIR/room-cuda.log (its RESULT line), OUT_DIR/offload-cuda.log,
+#         OUT_DIR/offload-bench.md (peaks, time ratios, the host link's speed), OUT_DIR/compile.md,
 #         OUT_DIR/bench.{md,json,csv,png}, OUT_DIR/bench.log;
 #         copy the table from OUT_DIR/bench.md into benchmarks/RESULTS.md.
 set -uo pipefail
@@ -69,6 +72,14 @@ timeout 60 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then echo "gpu_check: offload on CUDA failed (exit $rc)"; status=1; fi
 echo "offload on CUDA: $((SECONDS - start)) s"
+
+echo "== activation offload and the tiled MLP on CUDA: peak with and without, time ratio (8 x 1024 LLaMA, 32k tokens)"
+start=$SECONDS
+timeout 120 "$PYTHON" benchmarks/bench_offload.py --device cuda --layers 8 --width 1024 --seq 32768 --steps 5 2>&1 \
+  | tee "$OUT/offload-bench.md"
+rc=${PIPESTATUS[0]}
+if [[ $rc -ne 0 ]]; then echo "gpu_check: offload benchmark failed (exit $rc)"; status=1; fi
+echo "offload benchmark: $((SECONDS - start)) s"
 
 echo "== compiled: memfit's checkpointing and plan vs activation_memory_budget, CUDA"
 start=$SECONDS
