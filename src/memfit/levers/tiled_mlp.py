@@ -195,7 +195,7 @@ class _Replay:
         self._cast: Any = None
 
     def __enter__(self) -> None:
-        devices = [self.device] if self.device.type == "cuda" else []
+        devices = [self.device] if self.run.rng[1] is not None else []
         self._fork = torch.random.fork_rng(devices=devices)
         self._fork.__enter__()
         cpu, dev = self.run.rng
@@ -223,7 +223,7 @@ def _state(
         torch.get_autocast_dtype(kind),
         torch.is_autocast_cache_enabled(),
     )
-    dev = torch.cuda.get_rng_state(device) if kind == "cuda" else None
+    dev = torch.cuda.get_rng_state(device) if kind == "cuda" and torch.cuda.is_available() else None
     return cast, (torch.get_rng_state(), dev)
 
 
@@ -334,7 +334,9 @@ def _check_position_wise(module: nn.Module, fn: Callable[[torch.Tensor], Any], x
         with _disable_current_modes(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
             probe = probe.narrow(dim, 0, min(3, x.shape[dim])).clone()
             with (
-                torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []),
+                torch.random.fork_rng(
+                    devices=[x.device] if x.device.type == "cuda" and torch.cuda.is_available() else []
+                ),
                 torch.enable_grad(),
             ):
                 y = fn(probe)
