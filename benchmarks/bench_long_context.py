@@ -220,6 +220,9 @@ def main() -> None:
             continue
         how = "" if kind == "hf" else f"{best['levers']}, {best['modes']}, chunk {best['loss_chunk_tokens']}"
         print(f"| {kind} | {best['seq']:,} | {best['peak']:,} | {how} |")
+    for kind, best in found.items():
+        if best is not None:
+            print(f"\n{kind} at {best['seq']:,} tokens, the peak by MemTracker's kind: {best['split']}")
     if len(found) == 2 and all(found.values()):
         print(f"\nplan / hf: {found['plan']['seq'] / found['hf']['seq']:.2f}x")  # type: ignore[index]
 
