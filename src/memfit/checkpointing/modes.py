@@ -34,9 +34,10 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.checkpointing.blocks import resolve_blocks
+from memfit.checkpointing.buffers import buffer_contexts
 from memfit.checkpointing.hf import hf_checkpointing_active, peft_not_recomputable, without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
-from memfit.checkpointing.policy import keep_running_stats, selective_policy
+from memfit.checkpointing.policy import selective_policy
 from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
 from memfit.vocab import CheckpointMode, normalize_mode, normalize_modes
@@ -89,21 +90,48 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
 
 
 def checkpoint_contexts(module: nn.Module, mode: CheckpointMode = "full") -> tuple[Any, Any]:
-    """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself
-    (segments): selective's policy for ``selective``, BatchNorm running statistics kept
-    through the recompute. Unlike a block's own checkpoint (:mod:`memfit.checkpointing.recompute`), they
-    make no copies for in-place writes."""
+    """(forward, recompute) contexts for a caller that runs ``torch.utils.checkpoint`` itself:
+    selective's policy for ``selective``, and the buffers the forward writes put back after each
+    recompute (see Note [buffers a forward writes]). Unlike a block's own checkpoint
+    (:mod:`memfit.checkpointing.recompute`), they make no copies for in-place writes to inputs.
+
+    Example:
+        >>> from torch.utils.checkpoint import checkpoint as torch_checkpoint
+        >>> norm = nn.BatchNorm1d(3)
+        >>> x = torch.randn(4, 3, requires_grad=True)
+        >>> y = torch_checkpoint(norm, x, use_reentrant=False, context_fn=lambda: checkpoint_contexts(norm))
+        >>> y.sum().backward()
+        >>> int(norm.num_batches_tracked)
+        1
+    """
+    fwd_buffers, rec_buffers = buffer_contexts(module)
     if mode == "selective":
         fwd, rec = create_selective_checkpoint_contexts(selective_policy)
-    else:
-        fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
-    return fwd, _with(keep_running_stats(module), rec)
+        return _with(fwd_buffers, fwd), _Each(rec_buffers, rec)
+    return fwd_buffers, rec_buffers
 
 
 @contextlib.contextmanager
 def _with(outer: Any, inner: Any) -> Iterator[None]:
     with outer, inner:
         yield
+
+
+class _Each:
+    """Two contexts entered together, as often as the recompute runs."""
+
+    def __init__(self, outer: Any, inner: Any) -> None:
+        self.outer, self.inner = outer, inner
+
+    def __enter__(self) -> None:
+        self.outer.__enter__()
+        self.inner.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            self.inner.__exit__(*exc)
+        finally:
+            self.outer.__exit__(*exc)
 
 
 def refuse_double_checkpointing(model: nn.Module) -> None:

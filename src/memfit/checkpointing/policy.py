@@ -1,4 +1,4 @@
-"""What selective checkpointing keeps, and BatchNorm statistics across a recompute.
+"""What selective checkpointing keeps.
 
 Shared by a block's own checkpoint (:mod:`memfit.checkpointing.recompute`) and by callers that run
 ``torch.utils.checkpoint`` themselves (:func:`memfit.checkpointing.checkpoint_contexts`).
@@ -11,18 +11,15 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
 from torch.utils import checkpoint as _ckpt
 
 from memfit.vocab import CheckpointMode
 
-__all__ = ["SAVE_OPS", "compiled_contexts", "keep_running_stats", "selective_policy", "selective_saves"]
+__all__ = ["SAVE_OPS", "compiled_contexts", "selective_policy", "selective_saves"]
 
 _aten = torch.ops.aten
 # Note [what selective checkpointing saves]
@@ -64,22 +61,10 @@ def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:
     # AOT partitioner builds from a functionalized graph. The compiler accepts no context_fn
     # but PyTorch's selective-checkpoint dispatch modes, and needs none of memfit's eager
     # contexts: buffer mutations (BatchNorm statistics) are applied once after the forward and
-    # never recomputed; in-place ops are functionalized, so a recompute always starts from the
-    # values the forward saw; RNG is replayed by the compiler. tests/test_compile.py checks
-    # each of these against the plain compiled model.
+    # never recomputed (eagerly: Note [buffers a forward writes]); in-place ops are
+    # functionalized, so a recompute always starts from the values the forward saw; RNG is
+    # replayed by the compiler. tests/test_compile.py checks each of these against the plain
+    # compiled model.
     if mode == "selective":
         return {"context_fn": functools.partial(_ckpt.create_selective_checkpoint_contexts, selective_policy)}
     return {}
-
-
-@contextlib.contextmanager
-def keep_running_stats(module: nn.Module) -> Iterator[None]:
-    """BatchNorm running statistics are put back after the recompute, which updated them again."""
-    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training]
-    saved = [(buf, buf.clone()) for m in norms for buf in m.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, old in saved:
-                buf.copy_(old)
