@@ -328,8 +328,8 @@ class _Replay(TorchDispatchMode):
                 raise
             raise CheckpointError(
                 f"selective checkpointing of {self.call.label} keeps the outputs it saves for one backward "
-                "only, and this is a second backward through the same forward (retain_graph=True); use "
-                "mode 'full' for this block, or backward once."
+                "only, and this backward runs through them again (a graph kept with retain_graph=True, or "
+                "gradients taken with create_graph=True); use mode 'full' for this block."
             ) from exc
         if func in _IGNORED:
             return out
