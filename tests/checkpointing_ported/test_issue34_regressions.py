@@ -339,3 +339,22 @@ def test_segments_get_the_same_protections(backwards: int) -> None:
     segmented = set_segments(copy.deepcopy(plain), [["1", "2", "3"]])
     for _ in range(2):
         assert_same(observe(plain, case), observe(segmented, case), EXACT)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_contexts_apply_the_buffer_rule(mode: str) -> None:
+    """``checkpoint_contexts`` (for callers of ``torch.utils.checkpoint``) put written buffers back too."""
+    from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+    from memfit.checkpointing import checkpoint_contexts
+
+    torch.manual_seed(0)
+    plain = InstanceNormBlock()
+    block = copy.deepcopy(plain)
+    x = torch.randn(5, 8, requires_grad=True)
+    plain(x).sum().backward()
+    out = torch_checkpoint(block, x, use_reentrant=False, context_fn=lambda: checkpoint_contexts(block, mode))
+    out.sum().backward()
+    for name, buf in plain.named_buffers():
+        torch.testing.assert_close(dict(block.named_buffers())[name], buf, **EXACT)
+    torch.testing.assert_close(block.lin.weight.grad, plain.lin.weight.grad, **EXACT)
