@@ -264,8 +264,9 @@ class _EachRecompute:
         self._open: list[Any] = []
 
     def __enter__(self) -> None:
-        self._open.append(self.buffers.recompute())
-        self._open[-1].__enter__()
+        context = self.buffers.recompute()
+        context.__enter__()  # may refuse (a CheckpointError): then nothing stays open
+        self._open.append(context)
 
     def __exit__(self, *exc: Any) -> Any:
         return self._open.pop().__exit__(*exc)

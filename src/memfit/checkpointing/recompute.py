@@ -416,8 +416,10 @@ class _Reentrant:
         self._open: list[Any] = []
 
     def __enter__(self) -> Any:
-        self._open.append(self._make())
-        return self._open[-1].__enter__()
+        context = self._make()
+        entered = context.__enter__()  # may refuse (a CheckpointError): then nothing stays open
+        self._open.append(context)
+        return entered
 
     def __exit__(self, *exc: Any) -> Any:
         return self._open.pop().__exit__(*exc)
