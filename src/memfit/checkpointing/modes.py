@@ -31,12 +31,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.checkpointing.blocks import resolve_blocks
 from memfit.checkpointing.hf import hf_checkpointing_active, peft_not_recomputable, without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
-from memfit.checkpointing.policy import keep_running_stats, selective_policy
+from memfit.checkpointing.policy import keep_running_stats, selective_contexts
 from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
 from memfit.vocab import CheckpointMode, normalize_mode, normalize_modes
@@ -94,7 +93,7 @@ def checkpoint_contexts(module: nn.Module, mode: CheckpointMode = "full") -> tup
     through the recompute. Unlike a block's own checkpoint (:mod:`memfit.checkpointing.recompute`), they
     make no copies for in-place writes."""
     if mode == "selective":
-        fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+        fwd, rec = selective_contexts()
     else:
         fwd, rec = contextlib.nullcontext(), contextlib.nullcontext()
     return fwd, _with(keep_running_stats(module), rec)

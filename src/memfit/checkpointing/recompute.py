@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from memfit.checkpointing.policy import (
     compiled_contexts,
     keep_running_stats,
-    selective_policy,
+    selective_contexts,
     selective_saves,
 )
 from memfit.devices import model_device
@@ -302,9 +302,7 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     # See Note [grad-requiring copies]
     if not call.selective:
         return _forward(call, None), _Reentrant(functools.partial(_recompute, call, None))
-    caching, cached = _ckpt.create_selective_checkpoint_contexts(
-        selective_policy, allow_cache_entry_mutation=True
-    )
+    caching, cached = selective_contexts(allow_cache_entry_mutation=True)
     return _forward(call, caching), _Reentrant(functools.partial(_recompute, call, cached))
 
 
