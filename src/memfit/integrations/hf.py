@@ -9,9 +9,11 @@ config field. ``hf:PATH`` loads a model saved locally with ``save_pretrained``.
 
 Trade-off: memfit checkpoints per block by wrapping each decoder/encoder layer's forward,
 which lets a plan choose a mode per layer; Hugging Face's own
-``model.gradient_checkpointing_enable()`` is all-or-nothing. The two must not both run on
-one model (every layer would be recomputed twice), so memfit refuses to add its own on top
-of an active Hugging Face one and says which one is on (:func:`checkpointing_owner`).
+``model.activation_checkpointing_enable(every_n_layers=..., offload=...)`` (formerly
+``gradient_checkpointing_enable()``) checkpoints every n-th layer the same way. The two must
+not both run on one model (a layer would be recomputed twice), so memfit refuses to add its
+own on top of an active Hugging Face one, names the call back as it was made, and says which
+one is on (:func:`checkpointing_owner`).
 
 Example (with ``transformers`` installed; the tests run it in ``.venv-extras``):
     ``model = build_hf_causal_lm("llama", n_layer=2, n_embd=64, n_head=4, block_size=128)``,
