@@ -48,7 +48,9 @@ _BATCH = 16
 _LR = 2e-3
 
 
-def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
+def _memory_saving_plan(
+    model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: Budget
+) -> Plan:
     """The planner's fastest plan under ``budget`` for the memfit run, applied to ``model``."""
     chosen = plan(model, batch, gpt_loss, budget, opt, precision="auto")
     apply(model, chosen)

@@ -4,12 +4,14 @@ The parser is built from :mod:`memfit.cli.arguments` (each subcommand's argument
 without torch); a subcommand's own module, ``memfit.cli.<cmd>``, is imported only when it
 runs. That module defines ``run(args) -> int`` and, when it takes inputs worth checking,
 ``check(args)``, which validates every input (config, numbers, budgets, output paths)
-before any work starts. User errors (:class:`memfit.errors.MemfitError`) are printed as one
-sentence and exit with code 2; argparse usage errors also exit with 2 (one line, no usage
-dump). Nothing is ever shown as a traceback: running out of memory and unexpected errors
-are one line too (``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a
-bug report). ``--quiet`` sets ``MEMFIT_QUIET=1`` while the command runs, which every
-progress report of memfit honours.
+before any work starts; the config path, the budget (parsed once, into a ``Budget``) and
+``--out`` are checked even before that, without torch (:mod:`memfit.cli.inputs`). User
+errors (:class:`memfit.errors.MemfitError`) are printed as one sentence and exit with code
+2; argparse usage errors also exit with 2 (one line, no usage dump). Nothing is ever shown
+as a traceback: running out of memory and unexpected errors are one line too
+(``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a bug report).
+``--quiet`` sets ``MEMFIT_QUIET=1`` while the command runs, which every progress report of
+memfit honours.
 
 Example:
     >>> parse_args(["plan", "--budget", "-1GB"]).budget
@@ -144,11 +146,13 @@ def _quiet(on: bool) -> Iterator[None]:
             os.environ["MEMFIT_QUIET"] = before
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from memfit.cli.inputs import check_early  # imports no torch
     from memfit.errors import MemfitError
 
     try:
         with _quiet(bool(getattr(args, "quiet", False))):
+            check_early(args, argv)  # the config path, budget and --out, before torch
             args._check(args)
             return int(args._run(args))
     except MemfitError as exc:
@@ -165,12 +169,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (argparse usage errors raise ``SystemExit(2)``)."""
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parse(argv)
+        args = _parse(words)
     except _BadCommandLine as exc:
         print(f"memfit: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    return _run(args)
+    return _run(args, words)
 
 
 if __name__ == "__main__":
