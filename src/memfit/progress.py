@@ -47,7 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "style"]
+__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "style", "waiting"]
 
 #: How progress shows: a tqdm bar, plain lines, or not at all.
 Style = Literal["bar", "lines", "off"]
@@ -56,6 +56,9 @@ Style = Literal["bar", "lines", "off"]
 INTERVAL = 2.0
 
 T = TypeVar("T")
+
+#: Seconds between two lines of a phase that waits on one long call (:func:`waiting`).
+WAITING_INTERVAL = 10.0
 
 #: Values of ``MEMFIT_QUIET`` that do not silence progress.
 _NOT_QUIET = frozenset({"", "0", "false", "no", "off"})
@@ -294,3 +297,41 @@ def note(message: str) -> None:
 
         with _lock:
             tqdm.write(f"memfit: {message}", file=_stream())
+
+
+@contextmanager
+def waiting(name: str, every: float = WAITING_INTERVAL) -> Iterator[Phase]:
+    """A phase that waits on one long call with nothing to count (a compilation): a line when it
+    starts and, while it runs, one every ``every`` seconds saying how long it has taken (a bar's
+    elapsed time is redrawn as often), so a log is never silent for longer.
+
+    Example:
+        >>> import io
+        >>> log = io.StringIO()
+        >>> with configured(quiet=False, stream=log), waiting("compiling the step", every=0.01):
+        ...     time.sleep(0.1)
+        >>> first, second = log.getvalue().splitlines()[:2]
+        >>> first, second.startswith("memfit: compiling the step: "), second.endswith(" s so far")
+        ('memfit: compiling the step', True, True)
+    """
+    stop = threading.Event()
+    with phase(name) as ph:
+
+        def tick() -> None:
+            while not stop.wait(every):
+                with _lock:
+                    if ph._bar is not None:
+                        ph._bar.refresh()
+                    elif ph._style == "lines" and _stack and _stack[-1] is ph:
+                        elapsed = ph._settings.clock() - ph._started
+                        _write(ph._stream, f"memfit: {name}: {_duration(elapsed)} so far")
+
+        ticker = threading.Thread(target=tick, name="memfit-waiting", daemon=True)
+        if ph._style != "off":
+            ticker.start()
+        try:
+            yield ph
+        finally:
+            stop.set()
+            if ticker.is_alive():
+                ticker.join()
