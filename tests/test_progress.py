@@ -210,3 +210,33 @@ def test_phases_from_threads(clock: FakeClock) -> None:
         t.join()
     assert len(_lines(log)) == 200 and all(line.startswith("memfit: thread ") for line in _lines(log))
     assert progress._stack == []
+
+
+def test_a_first_compiled_step_is_not_timed(clock: FakeClock) -> None:
+    """Issue 37: after a first step that compiled for 51 s, the time left was 16 minutes."""
+    log = _log(clock)
+    with progress.phase("training", total=4) as ph:
+        clock.now += 51.0
+        ph.advance(1, "loss 5.4", timed=False)  # its line at once, without a time left
+        clock.now += 1.0
+        ph.advance(1, "loss 5.3")  # 1 s after the last line: none
+        clock.now += 1.0
+        ph.advance(1, "loss 5.2")  # 2 timed steps in 2 s: 1 s for the one left
+    assert _lines(log)[:3] == [
+        "memfit: training: 0/4",
+        "memfit: training: 1/4 (loss 5.4)",
+        "memfit: training: 3/4 (loss 5.2), about 1.0 s left",
+    ]
+
+
+def test_waiting_says_how_long_a_long_call_has_taken() -> None:
+    """A phase with nothing to count writes a line every ``every`` seconds while it runs."""
+    log = FakeStream(tty=False)
+    progress.configure(quiet=False, stream=log)
+    done = threading.Event()
+    with progress.waiting("compiling GPT", every=0.01):
+        done.wait(0.2)  # the ticker writes meanwhile
+    lines = _lines(log)
+    assert lines[0] == "memfit: compiling GPT" and len(lines) >= 3, lines
+    ticks = [ln.startswith("memfit: compiling GPT: ") and ln.endswith(" s so far") for ln in lines[1:]]
+    assert all(ticks), lines

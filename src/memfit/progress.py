@@ -209,6 +209,7 @@ class Phase:
         self.detail = ""
         self._style, self._stream, self._settings = how, _stream(), _settings
         self._started = self._last = self._settings.clock()
+        self._timed_from = 0  # the steps done before the clock of the time left started
         self._bar: Any = None
         if how == "bar":
             from tqdm import tqdm  # imported here: a bar is the only use of tqdm
@@ -221,21 +222,27 @@ class Phase:
         elif how == "lines":
             _write(self._stream, f"memfit: {name}" + (f": 0/{total}" if total else ""))
 
-    def advance(self, n: int = 1, detail: str | None = None) -> None:
+    def advance(self, n: int = 1, detail: str | None = None, timed: bool = True) -> None:
         """``n`` more steps done; ``detail`` (what was just done: a mode, a strategy) shows after
-        the count."""
+        the count. ``timed=False``: these steps were not typical (a compiled model's first step,
+        which compiled it), and the time left is estimated from the steps after them."""
         with _lock:
             self.done += n
             self.detail = self.detail if detail is None else detail
+            if not timed:
+                self._timed_from, self._started = self.done, self._settings.clock()
             if self._bar is not None:
                 if detail is not None:
                     self._bar.set_postfix_str(detail, refresh=False)
                 self._bar.update(n)
+                if not timed:
+                    self._bar.reset(total=self.total)  # its rate starts again from here
+                    self._bar.update(self.done)
                 return
             if self._style != "lines" or not _stack or _stack[-1] is not self:
                 return  # See Note [lines a log can read]
             now = self._settings.clock()
-            if now - self._last >= self._settings.interval:
+            if now - self._last >= self._settings.interval or not timed:
                 self._last = now
                 _write(self._stream, self._line(now))
 
@@ -249,8 +256,11 @@ class Phase:
         elapsed = now - self._started
         count = f"{self.done}/{self.total}" if self.total else f"{self.done} done"
         text = f"memfit: {self.name}: {count}" + (f" ({self.detail})" if self.detail else "")
-        if self.total and 0 < self.done < self.total:
-            return text + f", about {_duration(elapsed / self.done * (self.total - self.done))} left"
+        timed = self.done - self._timed_from
+        if self.total and timed > 0 and self.done < self.total:
+            return text + f", about {_duration(elapsed / timed * (self.total - self.done))} left"
+        if self.total and timed == 0:
+            return text  # nothing timed yet: no time to tell
         return text + f", {_duration(elapsed)} so far"
 
     def _end(self, finished: bool) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 
 from memfit import progress
 from memfit.check.guards import Guard, GuardConfig
+from memfit.checkpointing.compile import is_compiled
 from memfit.devices import unwrap
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
@@ -349,10 +350,14 @@ class Trainer:
                 metrics = self.step(batch, eval_fn if (due or i == steps - 1) else None)
                 done.append(metrics)
                 postfix = progress_postfix(metrics, self.precision.scaler.is_enabled())
+                compiled = i == 0 and is_compiled(unwrap(self.model))  # it compiled: not a typical step
                 bar.update(1)
                 bar.set_postfix_str(postfix, refresh=False)
+                if compiled:
+                    bar.reset(total=steps)  # the time left is estimated from the steps after it
+                    bar.update(1)
                 if phase is not None:
-                    phase.advance(1, postfix)
+                    phase.advance(1, postfix, timed=not compiled)
                 self.stop_reason = agreed_stop(self.stop_reason, self.dist)
                 if self.stop_reason is not None:
                     break
