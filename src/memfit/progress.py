@@ -204,12 +204,12 @@ class Phase:
         done: the steps done so far.
     """
 
-    def __init__(self, name: str, total: int | None, how: Style) -> None:
-        self.name, self.total, self.done = name, total, 0
+    def __init__(self, name: str, total: int | None, how: Style, done: int = 0) -> None:
+        self.name, self.total, self.done = name, total, done
         self.detail = ""
         self._style, self._stream, self._settings = how, _stream(), _settings
         self._started = self._last = self._settings.clock()
-        self._timed_from = 0  # the steps done before the clock of the time left started
+        self._timed_from = done  # the steps done before the clock of the time left started
         self._bar: Any = None
         if how == "bar":
             from tqdm import tqdm  # imported here: a bar is the only use of tqdm
@@ -217,10 +217,10 @@ class Phase:
             fmt = None if total else "{desc} ({elapsed})"
             self._bar = tqdm(
                 total=total, desc=name, file=self._stream, leave=False, dynamic_ncols=True, unit="step",
-                bar_format=fmt,
+                bar_format=fmt, initial=done,
             )  # fmt: skip
         elif how == "lines":
-            _write(self._stream, f"memfit: {name}" + (f": 0/{total}" if total else ""))
+            _write(self._stream, f"memfit: {name}" + (f": {done}/{total}" if total else ""))
 
     def advance(self, n: int = 1, detail: str | None = None, timed: bool = True) -> None:
         """``n`` more steps done; ``detail`` (what was just done: a mode, a strategy) shows after
@@ -276,15 +276,15 @@ class Phase:
 
 
 @contextmanager
-def phase(name: str, total: int | None = None) -> Iterator[Phase]:
+def phase(name: str, total: int | None = None, done: int = 0) -> Iterator[Phase]:
     """A phase of work called ``name`` of ``total`` steps (None: not counted; 0: nothing to do,
-    nothing shown) while the body runs.
+    nothing shown) while the body runs; ``done`` of them are done already (training resumed).
 
     Phases nest: a terminal shows a bar per phase, a log the innermost phase's lines. An
     exception in the body ends the phase (``stopped after`` in a log) and goes on.
     """
     with _lock:
-        ph = Phase(name, total, style() if total != 0 else "off")  # no steps: nothing to show
+        ph = Phase(name, total, style() if total != 0 else "off", done)  # no steps: nothing to show
         _stack.append(ph)
     finished = False
     try:
