@@ -154,7 +154,9 @@ def _load_local(transformers: Any, path: Path, vocab_size: int) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         auto = transformers.AutoModelForMaskedLM if _is_encoder(config) else transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(path, local_files_only=True)
+        # transformers 5.25 loads Hugging Face hub kernels by default (use_kernels=None), which
+        # fetch code from the hub and replace layers; memfit trains the model as it was saved
+        model = auto.from_pretrained(path, local_files_only=True, use_kernels=False)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a Hugging Face model from {str(path)!r}: {exc}.") from None
     if config.vocab_size < vocab_size:
