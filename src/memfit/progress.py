@@ -47,7 +47,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "style", "waiting"]
+__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "starting", "style"]
+__all__ += ["waiting"]
 
 #: How progress shows: a tqdm bar, plain lines, or not at all.
 Style = Literal["bar", "lines", "off"]
@@ -76,6 +77,8 @@ _settings = _Settings()
 _lock = threading.RLock()
 _stack: list[Phase] = []
 """The phases running now, outermost first (one process: phases of all threads)."""
+_said = [0]
+"""How many lines progress has shown (bars and notes included), for :func:`starting`."""
 
 
 def configure(
@@ -167,6 +170,7 @@ def style() -> Style:
 
 def _write(stream: IO[str] | None, text: str) -> None:
     """One line; progress never stops the work (a closed or broken stream is skipped)."""
+    _said[0] += 1
     if stream is None:
         return
     try:
@@ -306,6 +310,7 @@ def note(message: str) -> None:
         from tqdm import tqdm
 
         with _lock:
+            _said[0] += 1
             tqdm.write(f"memfit: {message}", file=_stream())
 
 
@@ -345,3 +350,38 @@ def waiting(name: str, every: float = WAITING_INTERVAL) -> Iterator[Phase]:
             stop.set()
             if ticker.is_alive():
                 ticker.join()
+
+
+@contextmanager
+def starting(what: str, after: float = 5.0) -> Iterator[None]:
+    """While the body runs and progress has shown nothing yet (no line, no phase), a note every
+    ``after`` seconds: ``memfit: <what> (10 s so far)``. A command's first seconds (importing
+    torch, reading data, building the model) then never pass in silence on a busy machine.
+
+    Example:
+        >>> import io
+        >>> log = io.StringIO()
+        >>> with configured(quiet=False, stream=log), starting("starting", after=0.01):
+        ...     time.sleep(0.1)
+        >>> first = log.getvalue().splitlines()[0]
+        >>> first.startswith("memfit: starting (") and first.endswith(" s so far)")
+        True
+    """
+    stop, started = threading.Event(), time.monotonic()
+
+    def watch(expected: int) -> None:
+        while not stop.wait(after):
+            if _said[0] != expected or _stack:
+                return  # the command speaks for itself from here on
+            note(f"{what} ({_duration(time.monotonic() - started)} so far)")
+            expected = _said[0]
+
+    watcher = threading.Thread(target=watch, args=(_said[0],), name="memfit-starting", daemon=True)
+    if style() != "off":
+        watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()

@@ -156,6 +156,7 @@ def _env_set(on: bool, name: str = "MEMFIT_QUIET") -> Iterator[None]:
 
 
 def _run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from memfit import progress  # imports no torch
     from memfit.cli.inputs import check_early  # imports no torch
     from memfit.errors import MemfitError
 
@@ -163,8 +164,9 @@ def _run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
         quiet, verbose = bool(getattr(args, "quiet", False)), bool(getattr(args, "verbose", False))
         with _env_set(quiet), _env_set(verbose, "MEMFIT_VERBOSE"):
             check_early(args, argv)  # the config path, budget and --out, before torch
-            args._check(args)
-            return int(args._run(args))
+            with progress.starting(f"{args.command}: importing torch and setting up"):
+                args._check(args)
+                return int(args._run(args))
     except MemfitError as exc:
         print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
