@@ -34,6 +34,7 @@ __all__ = [
     "hf_checkpointing_active",
     "hf_checkpointing_call",
     "hf_checkpointing_off_call",
+    "hf_checkpoints_calls",
     "is_hf_cache",
     "peft_not_recomputable",
     "without_caches",
@@ -181,6 +182,21 @@ def hf_checkpointing_off_call(model: nn.Module) -> str:
         'activation_checkpointing_disable()'
     """
     return "activation_checkpointing_disable()" if _new_spelling() else "gradient_checkpointing_disable()"
+
+
+def hf_checkpoints_calls(module: nn.Module) -> bool:
+    """Whether Hugging Face checkpoints each call of ``module`` itself now: a
+    ``GradientCheckpointingLayer`` whose flag is on, in training.
+
+    Example:
+        >>> hf_checkpoints_calls(nn.Linear(2, 2))
+        False
+    """
+    return (
+        getattr(module, "gradient_checkpointing", False) is True
+        and module.training
+        and _from_transformers(type(module), "GradientCheckpointingLayer")
+    )
 
 
 def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:

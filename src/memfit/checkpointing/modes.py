@@ -36,6 +36,7 @@ from memfit.checkpointing.blocks import resolve_blocks
 from memfit.checkpointing.hf import (
     hf_checkpointing_call,
     hf_checkpointing_off_call,
+    hf_checkpoints_calls,
     peft_not_recomputable,
     without_caches,
 )
@@ -76,7 +77,7 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
     module = layer.module
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # inference (generation): the block runs as written
-    if getattr(module, "gradient_checkpointing", False) is True and module.training:
+    if hf_checkpoints_calls(module):
         raise ConfigError(_checkpointed_twice(module))
     args, kwargs, changed = without_caches(args, kwargs, module)
     if changed and type(module) not in _TOLD:
