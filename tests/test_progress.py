@@ -6,6 +6,7 @@ Every test writes to a fake stream and reads time from a fake clock: nothing sle
 from __future__ import annotations
 
 import io
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -229,14 +230,24 @@ def test_a_first_compiled_step_is_not_timed(clock: FakeClock) -> None:
     ]
 
 
-def test_waiting_says_how_long_a_long_call_has_taken() -> None:
-    """A phase with nothing to count writes a line every ``every`` seconds while it runs."""
+def test_a_phase_that_waits_long_says_so_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: no command silent for more than 10 s. A phase with nothing to count (a
+    compilation) and a counted one stuck on a long step both repeat their line meanwhile."""
+    monkeypatch.setattr(progress, "WAITING_INTERVAL", 0.05)
     log = FakeStream(tty=False)
     progress.configure(quiet=False, stream=log)
     done = threading.Event()
-    with progress.waiting("compiling GPT", every=0.01):
-        done.wait(0.2)  # the ticker writes meanwhile
+    with progress.waiting("compiling GPT"):
+        done.wait(2.5)  # the heartbeat (which looks every second at most) writes meanwhile
+    with progress.phase("bench", total=3) as ph:
+        ph.advance(1, "fp32/none")
+        done.wait(2.5)
     lines = _lines(log)
-    assert lines[0] == "memfit: compiling GPT" and len(lines) >= 3, lines
-    ticks = [ln.startswith("memfit: compiling GPT: ") and ln.endswith(" s so far") for ln in lines[1:]]
-    assert all(ticks), lines
+    compiling = [ln for ln in lines if ln.startswith("memfit: compiling GPT")]
+    assert compiling[0] == "memfit: compiling GPT" and len(compiling) >= 3, lines
+    assert all(re.fullmatch(r"memfit: compiling GPT: [0-9.]+ s so far", ln) for ln in compiling[1:-1]), lines
+    assert compiling[-1].startswith("memfit: compiling GPT: done in "), lines
+    bench = [ln for ln in lines if ln.startswith("memfit: bench")]
+    assert bench[0] == "memfit: bench: 0/3" and len(bench) >= 3, lines
+    assert all(ln.startswith("memfit: bench: 1/3 (fp32/none), about ") for ln in bench[1:-1]), lines
+    assert bench[-1].startswith("memfit: bench: 1/3 done in "), lines

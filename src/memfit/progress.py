@@ -58,8 +58,8 @@ INTERVAL = 2.0
 
 T = TypeVar("T")
 
-#: Seconds between two lines of a phase that waits on one long call (:func:`waiting`).
-WAITING_INTERVAL = 10.0
+#: The longest a running phase goes without a line (See Note [never silent for long]).
+WAITING_INTERVAL = 8.0
 
 #: Values of ``MEMFIT_QUIET`` that do not silence progress.
 _NOT_QUIET = frozenset({"", "0", "false", "no", "off"})
@@ -213,6 +213,7 @@ class Phase:
         self.detail = ""
         self._style, self._stream, self._settings = how, _stream(), _settings
         self._started = self._last = self._settings.clock()
+        self._said_at = time.monotonic()  # real time of its last line: See Note [never silent for long]
         self._timed_from = done  # the steps done before the clock of the time left started
         self._bar: Any = None
         if how == "bar":
@@ -225,6 +226,8 @@ class Phase:
             )  # fmt: skip
         elif how == "lines":
             _write(self._stream, f"memfit: {name}" + (f": {done}/{total}" if total else ""))
+        if how != "off":
+            _start_heartbeat()
 
     def advance(self, n: int = 1, detail: str | None = None, timed: bool = True) -> None:
         """``n`` more steps done; ``detail`` (what was just done: a mode, a strategy) shows after
@@ -247,7 +250,7 @@ class Phase:
                 return  # See Note [lines a log can read]
             now = self._settings.clock()
             if now - self._last >= self._settings.interval or not timed:
-                self._last = now
+                self._last, self._said_at = now, time.monotonic()
                 _write(self._stream, self._line(now))
 
     def over(self, items: Iterable[T]) -> Iterator[T]:
@@ -258,6 +261,8 @@ class Phase:
 
     def _line(self, now: float) -> str:
         elapsed = now - self._started
+        if self.total is None and not self.done:
+            return f"memfit: {self.name}: {_duration(elapsed)} so far"
         count = f"{self.done}/{self.total}" if self.total else f"{self.done} done"
         text = f"memfit: {self.name}: {count}" + (f" ({self.detail})" if self.detail else "")
         timed = self.done - self._timed_from
@@ -277,6 +282,38 @@ class Phase:
         count = f"{self.done}/{self.total} " if self.total else ""
         how = f"{count}done in" if finished else "stopped after"
         _write(self._stream, f"memfit: {self.name}: {how} {_duration(elapsed)}")
+
+
+# Note [never silent for long]
+# A phase advances where the code calls advance(); one strategy's measurement, a compilation
+# or torchao's first step may take half a minute between two calls, and a log that says
+# nothing for that long looks hung. One daemon thread looks at the innermost phase every
+# second: if it has shown nothing for WAITING_INTERVAL seconds (real time, whatever clock the
+# settings hold), it writes the phase's line again (the count, the time so far) or redraws
+# its bar. The thread starts with the first phase shown and lives as long as the process.
+
+_heartbeat: list[threading.Thread] = []
+
+
+def _start_heartbeat() -> None:
+    with _lock:
+        if not _heartbeat:
+            _heartbeat.append(threading.Thread(target=_beat, name="memfit-progress", daemon=True))
+            _heartbeat[0].start()
+
+
+def _beat() -> None:
+    while True:
+        time.sleep(min(1.0, WAITING_INTERVAL / 4))
+        with _lock:
+            ph = _stack[-1] if _stack else None
+            if ph is None or time.monotonic() - ph._said_at < WAITING_INTERVAL:
+                continue
+            ph._said_at = time.monotonic()
+            if ph._bar is not None:
+                ph._bar.refresh()
+            elif ph._style == "lines":
+                _write(ph._stream, ph._line(ph._settings.clock()))
 
 
 @contextmanager
@@ -315,41 +352,21 @@ def note(message: str) -> None:
 
 
 @contextmanager
-def waiting(name: str, every: float = WAITING_INTERVAL) -> Iterator[Phase]:
+def waiting(name: str) -> Iterator[Phase]:
     """A phase that waits on one long call with nothing to count (a compilation): a line when it
-    starts and, while it runs, one every ``every`` seconds saying how long it has taken (a bar's
-    elapsed time is redrawn as often), so a log is never silent for longer.
+    starts and, while it runs, one every :data:`WAITING_INTERVAL` seconds saying how long it has
+    taken (See Note [never silent for long]).
 
     Example:
         >>> import io
         >>> log = io.StringIO()
-        >>> with configured(quiet=False, stream=log), waiting("compiling the step", every=0.01):
-        ...     time.sleep(0.1)
-        >>> first, second = log.getvalue().splitlines()[:2]
-        >>> first, second.startswith("memfit: compiling the step: "), second.endswith(" s so far")
-        ('memfit: compiling the step', True, True)
+        >>> with configured(quiet=False, stream=log), waiting("compiling the step"):
+        ...     pass
+        >>> print(log.getvalue(), end="")
+        memfit: compiling the step
     """
-    stop = threading.Event()
     with phase(name) as ph:
-
-        def tick() -> None:
-            while not stop.wait(every):
-                with _lock:
-                    if ph._bar is not None:
-                        ph._bar.refresh()
-                    elif ph._style == "lines" and _stack and _stack[-1] is ph:
-                        elapsed = ph._settings.clock() - ph._started
-                        _write(ph._stream, f"memfit: {name}: {_duration(elapsed)} so far")
-
-        ticker = threading.Thread(target=tick, name="memfit-waiting", daemon=True)
-        if ph._style != "off":
-            ticker.start()
-        try:
-            yield ph
-        finally:
-            stop.set()
-            if ticker.is_alive():
-                ticker.join()
+        yield ph
 
 
 @contextmanager
