@@ -21,14 +21,17 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estim
 # The newest releases a user gets today (requirements-newest.txt: torch 2.15.0, transformers 5.25.0,
 # accelerate 1.16.0, peft, torchao) in a third environment, and a small suite run there: checkpointing
 # exactness (saved-tensor hooks included), plan + prepare + train_step, estimate, the Hugging Face
-# Trainer, peft and Lightning paths, the quiet dependencies. pip's cap on torch on this machine
-# (/etc/xdg/pip) is lifted for that one install by an empty constraints file.
+# Trainer (its activation_checkpointing spellings), peft and Lightning paths, memfit train on hf:
+# models. It stays small, so that make test's three suites fit 30 minutes on 2 cores. pip's cap on
+# torch on this machine (/etc/xdg/pip) is lifted for that one install by an empty constraints file.
 NEWEST_VENV ?= .venv-newest
 NEWEST_STAMP := $(NEWEST_VENV)/.memfit-installed
 NEWEST_TESTS := tests/test_checkpointing.py tests/test_checkpointing_inplace.py tests/test_checkpointing_hooks.py \
-	tests/test_loop.py tests/planning/test_plan_api.py tests/test_estimate.py tests/test_quiet_dependencies.py \
+	tests/test_loop.py tests/planning/test_plan_api.py tests/test_estimate.py \
 	tests/integrations/test_hf_trainer.py tests/integrations/test_hf_checkpointing_spelling.py \
-	tests/integrations/test_hf.py tests/integrations/test_peft_loops.py tests/integrations/test_lightning_accelerate.py
+	tests/integrations/test_hf.py::test_huggingface_checkpointing_is_detected_not_doubled \
+	tests/integrations/test_hf.py::test_memfit_train_hf_config_name_and_local_directory \
+	tests/integrations/test_peft_loops.py
 
 .PHONY: demo test lint typecheck unit extras newest bench clean
 
