@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from memfit.checkpointing.buffers import WrittenBuffers
-from memfit.checkpointing.policy import compiled_contexts, selective_policy, selective_saves
+from memfit.checkpointing.policy import compiled_contexts, selective_contexts, selective_saves
 from memfit.checkpointing.writes import storage_key, written_by
 from memfit.devices import model_device
 from memfit.errors import CheckpointError
@@ -400,9 +400,7 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     # See Note [grad-requiring copies]
     if not call.selective:
         return _forward(call, None), _Reentrant(functools.partial(_recompute, call, None))
-    caching, cached = _ckpt.create_selective_checkpoint_contexts(
-        selective_policy, allow_cache_entry_mutation=True
-    )
+    caching, cached = selective_contexts(allow_cache_entry_mutation=True)
     return _forward(call, caching), _Reentrant(functools.partial(_recompute, call, cached))
 
 
