@@ -18,7 +18,13 @@ import memfit
 from memfit.errors import CheckpointError, LeverRefused
 from memfit.levers import apply_levers
 from memfit.levers.head import install_chunked_head
-from memfit.levers.offload import clear_offload, offload_blocks, offloaded_blocks, offloader_of
+from memfit.levers.offload import (
+    clear_offload,
+    offload_blocks,
+    offloaded_blocks,
+    offloader_of,
+    selective_kept_offloaded,
+)
 from memfit.levers.tiled_mlp import install_tiled_mlp
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler, memory_profile
@@ -215,7 +221,7 @@ def test_the_device_peak_is_priced_to_the_byte(mode: str) -> None:
                 training_step(model, batch, gpt_loss, opt, Precision("fp32"))
             clear_offload(model)
             memfit.uncheckpoint(model)
-        moved = moved_bytes(profile, mode, blocks)
+        moved = moved_bytes(profile, mode, blocks, selective_kept=selective_kept_offloaded())
         price = offload_price(profile, mode, moved, link)
         print(f"{mode} {blocks}: measured {watch.peak_bytes:,} B, priced {price.peak_bytes:,} B "
               f"(without offload {price.plain_peak_bytes:,} B), host {price.host_bytes:,} B")  # fmt: skip

@@ -57,8 +57,9 @@ def check(args: argparse.Namespace) -> None:
     check_output_file(args.out, "--out")
 
 
-def _budget_text(args: argparse.Namespace, configured: str) -> str:
-    """``--budget``, else the config's ``memory.budget``, else ``"device"``."""
+def _budget_text(args: argparse.Namespace, configured: str) -> Budget | str:
+    """``--budget`` (parsed already, by :mod:`memfit.cli.inputs`), else the config's
+    ``memory.budget``, else ``"device"``."""
     return args.budget if args.budget is not None else (configured or "device")
 
 

@@ -44,6 +44,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import _disable_current_modes
 
+from memfit.checkpointing.policy import selective_contexts
 from memfit.devices import model_device
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "offload_blocks",
     "offloaded_blocks",
     "offloader_of",
+    "selective_kept_offloaded",
 ]
 
 
@@ -127,6 +129,38 @@ class _Group:
 # memfit.levers.spec refuses the lever on a CPU; the offloader counts the host bytes itself.
 
 
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its span without gaps or overlaps (in some order of dims)."""
+    expected = 1
+    for size, stride in sorted(
+        (d for d in zip(t.shape, t.stride(), strict=True) if d[0] != 1), key=lambda d: d[1]
+    ):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _host_like(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty host tensor for ``t``'s values, in ``t``'s layout where it is dense.
+
+    See Note [the layout of a copy].
+    """
+    if _dense(t):
+        return torch.empty_like(t, device="cpu", pin_memory=pin)
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+
+
+# Note [the layout of a copy]
+# A copy keeps the strides of what it copies (a dense tensor: empty_like; brought back:
+# clone and .to, which keep a dense tensor's layout), because a recompute replays ops whose
+# count can depend on the layout: ``y.transpose(1, 2).contiguous()`` after attention copies
+# or not depending on the attention output's strides, and selective checkpointing, which
+# hands the recompute the kept output as it comes back, refuses a recompute with an op the
+# forward did not run. A view with gaps (a slice of a larger tensor) is copied compact, its
+# layout lost: torch's own save_on_cpu copies everything compact.
+
+
 class _CpuLink:
     """Copies into a second CPU tensor, at once (See Note [the host on a CPU])."""
 
@@ -134,14 +168,12 @@ class _CpuLink:
         if is_fake(t):
             return t.clone(), None
         with _disable_current_modes():
-            host = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            host = _host_like(t, pin=False)
             host.copy_(t)
         return host, None
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        out.copy_(host)
-        return out, None
+        return host.clone(), None  # a new tensor (version 0), as a copy from the host is
 
     def wait(self, event: Any, t: torch.Tensor | None) -> None:
         return None
@@ -154,7 +186,7 @@ class _CudaLink:
         self.stream = torch.cuda.Stream(device)
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host = _host_like(t, pin=True)
         self.stream.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(self.stream):
             host.copy_(t, non_blocking=True)
@@ -162,8 +194,7 @@ class _CudaLink:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
         with torch.cuda.stream(self.stream):
-            out = torch.empty(host.shape, dtype=host.dtype, device=device)
-            out.copy_(host, non_blocking=True)
+            out = host.to(device, non_blocking=True)  # new (version 0), the side stream's memory
             return out, self.stream.record_event()
 
     def wait(self, event: Any, t: torch.Tensor | None) -> None:
@@ -367,6 +398,17 @@ def _hooks(module: nn.Module) -> list[tuple[int, functools.partial[Any]]]:
         if isinstance(h, functools.partial) and h.func in (_begin, _end)
     ]
     return found
+
+
+def selective_kept_offloaded() -> bool:
+    """Whether what selective checkpointing keeps goes through the offload hooks too: torch 2.14
+    and newer, where memfit routes it so; before, selective blocks keep their matmul outputs on
+    the device.
+
+    See Note [selective checkpointing and saved-tensor hooks].
+    """
+    caching, _ = selective_contexts()
+    return bool(getattr(caching, "respect_saved_tensors_hooks", False))
 
 
 def offloader_of(model: nn.Module) -> ActivationOffloader | None:

@@ -68,11 +68,17 @@ class OffloadPrice:
 
 
 def moved_bytes(
-    profile: Profile, modes: str | Mapping[str, str] | Sequence[str], blocks: Sequence[str]
+    profile: Profile,
+    modes: str | Mapping[str, str] | Sequence[str],
+    blocks: Sequence[str],
+    selective_kept: bool = False,
 ) -> dict[str, int]:
     """What offloading each of ``blocks`` moves at ``modes`` (per micro-batch of the profile's
     batch): a checkpointed block's input (the block before it's output, the first block's
-    taken as shaped like its own output), a block that is not checkpointed everything it keeps."""
+    taken as shaped like its own output), a block that is not checkpointed everything it keeps;
+    with ``selective_kept`` (torch routes what selective checkpointing keeps through the
+    saved-tensor hooks: :func:`memfit.levers.offload.selective_kept_offloaded`) a selective
+    block's kept outputs too (what it keeps beyond a fully checkpointed block)."""
     names = [b.name for b in profile.blocks]
     seq = normalize_modes(profile, modes)
     out = {}
@@ -81,8 +87,10 @@ def moved_bytes(
         block = profile.blocks[k]
         if seq[k] == "none":
             out[name] = block.saved_bytes["none"]
-        else:
-            out[name] = profile.blocks[k - 1].output_bytes if k else block.output_bytes
+            continue
+        out[name] = profile.blocks[k - 1].output_bytes if k else block.output_bytes
+        if seq[k] == "selective" and selective_kept:
+            out[name] += max(0, block.saved_bytes["selective"] - block.saved_bytes["full"])
     return out
 
 
