@@ -25,7 +25,6 @@ from memfit.vocab import CheckpointMode
 __all__ = ["SAVE_OPS", "compiled_contexts", "keep_running_stats", "selective_policy", "selective_saves"]
 
 _aten = torch.ops.aten
-# Note [what selective checkpointing saves]
 # Selective checkpointing keeps the outputs of the ops whose recompute is expensive
 # (matmuls, attention kernels, convolutions) and recomputes everything else. Norms,
 # activations and elementwise ops are memory-bound: recomputing them costs little time but
@@ -59,7 +58,6 @@ def selective_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> _ckpt.Ch
 
 def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:
     """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none."""
-    # Note [checkpointing under torch.compile]
     # Under torch.compile a checkpointed region becomes one higher-order op whose backward the
     # AOT partitioner builds from a functionalized graph. The compiler accepts no context_fn
     # but PyTorch's selective-checkpoint dispatch modes, and needs none of memfit's eager
