@@ -17,7 +17,7 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estim
 	tests/integrations/test_levers_frozen_peft.py tests/integrations/test_peft.py \
 	tests/integrations/test_peft_plan.py tests/integrations/test_peft_loops.py \
 	tests/integrations/test_peft_train.py tests/integrations/test_peft_refusals.py \
-	tests/integrations/test_order_zoo.py
+	tests/integrations/test_order_zoo.py tests/test_docs_names.py
 
 .PHONY: demo test lint typecheck unit extras bench clean
 
