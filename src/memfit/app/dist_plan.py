@@ -83,7 +83,7 @@ def plan_for_ranks(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: str | int,
+    budget: str | int | Budget,
     optimizer: torch.optim.Optimizer | None,
     precision: PrecisionChoice,
     ctx: DistContext,

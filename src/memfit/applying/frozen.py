@@ -51,20 +51,14 @@ class FrozenLever(Lever):
 
     step_facts = True
 
-    def __init__(self, name: str, risk: int, order: int) -> None:
+    def __init__(self, name: str, risk: int, order: int, precision_refusal: str) -> None:
         self.name, self.risk, self.order = name, risk, order
+        self._precision_refusal = precision_refusal
+        """Why it cannot run at a precision :meth:`runs_at` refuses (``{precision}`` filled in)."""
 
     def refusal(self, site: Site) -> str | None:
-        if site.precision != "auto" and not self.runs_at(site.precision) and self.name == _BF16:
-            return (
-                f"frozen_bf16 keeps the frozen weights in bf16, so the step computes in bf16; it cannot run "
-                f"at precision {site.precision}: use bf16."
-            )
-        if not self.runs_at(site.precision) and self.name == _NF4:
-            return (
-                "frozen_nf4 dequantizes its bf16-scaled weights inside the step, which torch's fp16 autocast "
-                "cannot run; use bf16 or fp32."
-            )
+        if site.precision != "auto" and not self.runs_at(site.precision):
+            return self._precision_refusal.format(precision=site.precision)
         return frozen_refusal(self.name, site.model)
 
     def unpredictable(self, facts: LeverFacts | None) -> str | None:
@@ -107,8 +101,16 @@ class FrozenLever(Lever):
         return optimizer
 
 
-FROZEN_BF16 = FrozenLever(_BF16, risk=1, order=61)
-FROZEN_NF4 = FrozenLever(_NF4, risk=20, order=60)
+FROZEN_BF16 = FrozenLever(
+    _BF16, risk=1, order=61,
+    precision_refusal="frozen_bf16 keeps the frozen weights in bf16, so the step computes in bf16; it cannot "
+    "run at precision {precision}: use bf16.",
+)  # fmt: skip
+FROZEN_NF4 = FrozenLever(
+    _NF4, risk=20, order=60,
+    precision_refusal="frozen_nf4 dequantizes its bf16-scaled weights inside the step, which torch's fp16 "
+    "autocast cannot run; use bf16 or fp32.",
+)  # fmt: skip
 
 
 def _frozen(out: Profile, facts: LeverFacts, names: Sequence[str], bf16_weights: bool) -> None:
