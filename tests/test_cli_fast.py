@@ -114,6 +114,42 @@ def test_quiet_sets_memfit_quiet_while_the_command_runs(
     assert seen == ["1", None] and "MEMFIT_QUIET" not in os.environ
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # Issue 37: the budget "5 potatoes" split in two by the shell is named as the budget
+        (["plan", "--budget", "5", "potatoes"], "cannot read --budget '5 potatoes': write bytes as"),
+        (["plan", "--budget", "5", "GiB"], "--budget '5 GiB' is two words on the command line, so 'GiB'"),
+        (["estimate", "--device-memory", "80", "GiB"], "--device-memory '80 GiB' is two words"),
+        (["plan", "--budget", "5", "missing.toml"], "config file 'missing.toml' does not exist; give"),
+        (["plan", "--budget", "60 potatoes"], "cannot read --budget '60 potatoes'"),
+        (["bench", "--budget", "150%"], "--budget '150%' is over 100% of the baseline peak"),
+        (["train", "missing.toml"], "config file 'missing.toml' does not exist"),
+        (["plan", "--out", "{file}/plan.json"], "is inside"),
+        (["demo", "--out", "{file}"], "is a file; give a directory"),
+    ],
+)
+def test_paths_budgets_and_out_are_checked_before_torch(argv: list[str], said: str, tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    returncode, err, modules = _imports([word.format(file=a_file) for word in argv])
+    assert returncode == 2, err
+    assert err.startswith(f"memfit {argv[0]}: error: ") and said in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one sentence, no traceback
+    assert "memfit.cli.inputs" in modules  # the import profile was read
+    assert not {m for m in modules if m.split(".")[0] == "torch"}
+
+
+def test_the_budget_is_parsed_once_and_handed_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from memfit.budget import Budget
+
+    seen: list[object] = []
+    monkeypatch.setattr("memfit.cli.plan.check", lambda args: seen.append(args.budget))
+    monkeypatch.setattr("memfit.cli.plan.run", lambda args: seen.append(args.budget) or 0)
+    assert main(["plan", "--budget", "60%", "--out", str(tmp_path / "plan.json")]) == 0
+    assert seen == [Budget.parse("60%")] * 2 and seen[0] is seen[1]
+
+
 def _points(bf16_seconds: float) -> list[BenchPoint]:
     def point(precision: str, mode: str, peak: int, seconds: float) -> BenchPoint:
         return BenchPoint(
@@ -132,8 +168,13 @@ def _points(bf16_seconds: float) -> list[BenchPoint]:
 def test_bench_recommends_bf16_only_where_it_is_native_and_measured_faster() -> None:
     assert "fits is bf16/none" in bench_advice(_points(0.5), 60, _facts(native=True))
     emulated = bench_advice(_points(0.5), 60, _facts(native=False))
-    assert "fits is bf16" not in emulated and "no measured strategy fits" in emulated
-    assert "For memory only: bf16/none fits" in emulated and "bf16 is not native on cpu" in emulated
+    # Issue 37: what fits is named first (it was "no measured strategy fits", then bf16 "for memory only")
+    assert emulated.startswith(
+        "for a budget of 60 B (60 bytes), the fastest measured strategy that fits is bf16/none"
+    )
+    assert "bf16 is not native on cpu" in emulated and "it saves memory, not time" in emulated
+    assert "none of the strategies fast here fits (the smallest is fp32/full, peak 70 B)" in emulated
+    assert "no measured strategy fits" not in emulated
     slower = bench_advice(_points(9.19), 80, _facts(native=True))
     assert "fits is fp32/full" in slower and "bf16 measured 9.19x the step time of fp32/none" in slower
     assert "For memory only" not in slower  # fp32/full fits: bf16 is not named for memory

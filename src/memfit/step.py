@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.checkpointing.compile import compiling_step
 from memfit.errors import ConfigError
 from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
@@ -144,18 +145,19 @@ def training_step(
     loss_sum = 0.0
     fused = fused_step_of(optimizer)
     grad_norm = None
-    for i, part in enumerate(parts):
-        with precision.autocast():
-            loss = _scalar_loss(loss_fn(model, part))
-        if i == 0 and after_forward is not None:
-            after_forward()
-        weight = batch_size(part) / total
-        share = loss * weight if len(parts) > 1 else loss
-        if fused is not None and i == len(parts) - 1:
-            grad_norm = fused.backward(precision.scaler.scale(share), clip_norm)
-        else:
-            precision.backward(share)
-        loss_sum += _value(loss) * weight
+    with compiling_step(model):  # the first step of a compiled model compiles: it says so
+        for i, part in enumerate(parts):
+            with precision.autocast():
+                loss = _scalar_loss(loss_fn(model, part))
+            if i == 0 and after_forward is not None:
+                after_forward()
+            weight = batch_size(part) / total
+            share = loss * weight if len(parts) > 1 else loss
+            if fused is not None and i == len(parts) - 1:
+                grad_norm = fused.backward(precision.scaler.scale(share), clip_norm)
+            else:
+                precision.backward(share)
+            loss_sum += _value(loss) * weight
     if after_backward is not None:
         after_backward()
     if fused is not None:

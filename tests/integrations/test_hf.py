@@ -102,16 +102,16 @@ def test_profile_and_estimate_work_on_hf_models() -> None:
 def test_huggingface_checkpointing_is_detected_not_doubled() -> None:
     model = _model("gpt2")
     assert checkpointing_owner(model) == "none"
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     assert checkpointing_owner(model) == "huggingface"
-    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+    with pytest.raises(ConfigError, match=r"call model\.activation_checkpointing_disable\(\)"):
         memfit.checkpoint(model, mode="full")
     assert memfit.checkpointing.checkpointed_blocks(model) == {}
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     memfit.checkpoint(model, mode="full")
     assert checkpointing_owner(model) == "memfit"
-    model.gradient_checkpointing_enable()  # the user turns it on afterwards: the Trainer refuses
-    with pytest.raises(ConfigError, match="Hugging Face gradient checkpointing is on"):
+    model.activation_checkpointing_enable()  # the user turns it on afterwards: the Trainer refuses
+    with pytest.raises(ConfigError, match="Hugging Face activation checkpointing is on"):
         memfit.Trainer(model, torch.optim.AdamW(model.parameters()), hf_causal_loss, "fp32")
 
 

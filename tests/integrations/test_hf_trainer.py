@@ -111,7 +111,8 @@ def test_hf_trainer_with_default_gpt2_trains_under_prepare(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("kw", "name"),
-    [({"gradient_checkpointing": True}, "gradient_checkpointing=True"),
+    # the deprecated alias is named as transformers spells it today
+    [({"gradient_checkpointing": True}, "activation_checkpointing=True"),
      ({"auto_find_batch_size": True}, "auto_find_batch_size=True")],
 )  # fmt: skip
 def test_conflicting_arguments_are_named(tmp_path: Path, kw: dict[str, object], name: str) -> None:

@@ -41,7 +41,7 @@ def test_plan_cli_prints_the_plan_and_writes_json(tmp_path: Path, capsys: pytest
 @pytest.mark.parametrize(
     ("budget", "message"),
     [
-        ("abc", "cannot read budget 'abc'"),
+        ("abc", "cannot read --budget 'abc'"),  # the flag, as written (checked before torch is imported)
         ("-1GB", "budget must be positive"),
         ("150%", "over 100%"),
         ("0", "budget must be positive"),

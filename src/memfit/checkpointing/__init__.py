@@ -10,8 +10,11 @@ One concern, one package (as PyTorch keeps ``checkpoint``, ``checkpoint_sequenti
   per block ``none``, ``selective`` or ``full``;
 - :mod:`~memfit.checkpointing.segments`: a run of blocks checkpointed as one (the one chain
   mechanism, also used by ``memfit bench``'s ``checkpoint_sequential``), and the chain probe;
-- :mod:`~memfit.checkpointing.recompute`: one checkpointed call (argument containers copied,
-  copies before in-place writes; :class:`~memfit.errors.CheckpointError` where it cannot);
+- :mod:`~memfit.checkpointing.recompute`: one checkpointed call, exact for any number of
+  backwards (argument containers copied, copies before in-place writes;
+  :class:`~memfit.errors.CheckpointError` where it cannot);
+- :mod:`~memfit.checkpointing.buffers`: the buffers a forward writes, written once per step;
+- :mod:`~memfit.checkpointing.writes`: what an op writes, declared or not;
 - :mod:`~memfit.checkpointing.policy`: the selective-checkpointing (SAC) policy;
 - :mod:`~memfit.checkpointing.layers`: the removable instance-level ``forward`` overrides;
 - :mod:`~memfit.checkpointing.compile`: ``torch.compile`` helpers and the eager switch;

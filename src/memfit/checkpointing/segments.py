@@ -32,18 +32,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from memfit.checkpointing.hf import without_caches
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
-from memfit.checkpointing.modes import LAYER_TAG, BlockLayer, checkpoint_contexts, refuse_double_checkpointing
-from memfit.checkpointing.policy import compiled_contexts
+from memfit.checkpointing.modes import LAYER_TAG, BlockLayer, refuse_double_checkpointing
+from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
 
 __all__ = ["ChainProbe", "applied_segments", "chain_probe", "set_segments"]
@@ -59,6 +59,11 @@ class _Segment:
     def __init__(self, modules: list[nn.Module], names: list[str]) -> None:
         self.modules = modules
         self.names = names
+        self.group = nn.ModuleList(modules)
+        """The blocks as one module, whose buffers the segment's recompute puts back.
+
+        See Note [buffers a forward writes]
+        """
         self.running = False
         self.active = False
         self.next = 1
@@ -89,10 +94,6 @@ def _chain(inner: Callable[..., Any], seg: _Segment, *args: Any, **kwargs: Any) 
         seg.running = False
 
 
-def _contexts(seg: _Segment) -> tuple[Any, Any]:
-    return checkpoint_contexts(nn.ModuleList(seg.modules), "full")
-
-
 def _head(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs: Any) -> Any:
     seg = layer.seg
     if seg.running:
@@ -103,18 +104,12 @@ def _head(inner: Callable[..., Any], layer: _SegmentLayer, *args: Any, **kwargs:
     # Hugging Face caches off while training, as for a block checkpointed alone; the later
     # blocks are still matched against the arguments the model passed.
     # See Note [caches off in a recompute]
+    # One checkpointed call runs the whole chain, with a block's own protections: copies
+    # before in-place writes to its inputs, buffers written once, a recompute per backward.
     run_args, run_kwargs, _ = without_caches(args, kwargs, layer.module)
-    compiling = torch.compiler.is_compiling()
-    contexts = compiled_contexts("full") if compiling else {"context_fn": lambda: _contexts(seg)}
-    out = torch_checkpoint(
-        _chain,
-        inner,
-        seg,
-        *run_args,
-        use_reentrant=False,
-        preserve_rng_state=True,
-        **contexts,
-        **run_kwargs,
+    label = f"segment {seg.names[0]}..{seg.names[-1]}"
+    out = run_checkpointed(
+        functools.partial(_chain, inner, seg), seg.group, "full", run_args, run_kwargs, label
     )
     seg.active, seg.next, seg.output, seg.rest, seg.kwargs = True, 1, out, args[1:], dict(kwargs)
     return out

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from memfit import progress
 from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.app.schedule import lr_schedule
 from memfit.applying import apply
@@ -48,7 +49,9 @@ _BATCH = 16
 _LR = 2e-3
 
 
-def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
+def _memory_saving_plan(
+    model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: Budget
+) -> Plan:
     """The planner's fastest plan under ``budget`` for the memfit run, applied to ``model``."""
     chosen = plan(model, batch, gpt_loss, budget, opt, precision="auto")
     apply(model, chosen)
@@ -129,10 +132,12 @@ def run(args: argparse.Namespace) -> int:
         f"  baseline: fp32, no checkpointing, {args.baseline_steps} steps side by side with memfit\n"
         f"  memfit:   {_describe(plan)}, {args.steps} steps"
     )
-    for _ in range(args.baseline_steps):
-        batch = sampler.next_batch()
-        base.step(batch)
-        main.step(batch)
+    # the training bar counts on from these steps to --steps (Trainer.fit counts the model's steps)
+    with progress.phase("baseline and memfit side by side", total=args.baseline_steps) as ph:
+        for _ in ph.over(range(args.baseline_steps)):
+            batch = sampler.next_batch()
+            base.step(batch)
+            main.step(batch)
     main.fit(
         sampler,
         args.steps - args.baseline_steps,

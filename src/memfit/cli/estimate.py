@@ -80,12 +80,16 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn(cfg),
         device_memory=memory,
         precisions=args.precision or PRECISIONS,
-        levers=bool(args.levers) or lora,  # an adapter step's rows need the frozen weights' facts
+        # an adapter step's rows need the frozen weights' facts; with --device-memory, the
+        # levers are what can fit when nothing else does
+        levers=bool(args.levers) or lora or memory is not None,
     )
+    # Issue 37: the 7B estimate ended in "nothing fits in 80.00 GiB" without a word on what would
+    levers = args.levers or ("all" if memory is not None and _nothing_fits(est.ordered(), memory) else None)
     refused: dict[str, str] = {}
-    if args.levers:
+    if levers:
         # levers the planner does not choose (offload) are left out: their bytes are not in the step model
-        asked = [n for n in normalize_levers(args.levers) if lever(n).planned]
+        asked = [n for n in normalize_levers(levers) if lever(n).planned]
         allowed, refused = allowed_levers(asked, Site(torch.device("cpu"), est.optimizer or "none", "auto"))
         est.with_levers = smallest_with_levers(est.profiles, allowed)
     if args.json:
@@ -120,13 +124,17 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note)
     verdict = verdict_line(ordered, memory)
-    print(f"without levers, {verdict}" if args.levers else verdict)
-    if args.levers:
-        print(lever_line(est, memory, refused))
-        hint = missing_torchao_hint(args.levers)
+    print(f"without levers, {verdict}" if levers else verdict)
+    if levers:
+        print(lever_line(est, memory, refused) + ("" if args.levers else " (memfit estimate --levers all)"))
+        hint = missing_torchao_hint(levers)
         if hint is not None and est.with_levers is not None:
             print(f"{hint[0].upper()}{hint[1:]}.")
     return 0
+
+
+def _nothing_fits(entries: list[EstimateEntry], memory: int) -> bool:
+    return not any(e.peak_bytes <= memory for e in entries)
 
 
 def _smallest(prof: Profile, levers: list[str]) -> EstimateEntry:

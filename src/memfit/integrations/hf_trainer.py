@@ -45,10 +45,8 @@ __all__ = ["dict_loss", "one_batch", "plan_for_trainer", "prepare_trainer"]
 
 log = logging.getLogger("memfit.integrations.hf")
 
-#: Arguments that fight the plan, and why each one has to go.
+#: Arguments that fight the plan, and why each one has to go (the checkpointing one: _checkpointing_conflict).
 _CONFLICTS = {
-    "gradient_checkpointing": "memfit checkpoints the model's blocks as the plan says, and both would "
-    "recompute every block",
     "auto_find_batch_size": "memfit sets per_device_train_batch_size from the plan (and "
     "memfit.plan(..., maximize='batch_size') finds the largest batch that fits)",
 }
@@ -64,7 +62,27 @@ def _transformers() -> Any:
     return transformers
 
 
+def _checkpointing_conflict(args: Any) -> str:
+    """The sentence refusing Hugging Face's own checkpointing in ``args``, in the spelling of its
+    ``transformers`` (``activation_checkpointing`` from 5.24, ``gradient_checkpointing`` before); ""."""
+    new = hasattr(args, "activation_checkpointing")
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
+    if not getattr(args, name, False):
+        return ""
+    given = dict(getattr(args, f"{name}_kwargs", None) or {})
+    offload = given.get("offload") is True
+    also = f" and {name}_kwargs={given!r}" if offload else ""
+    counted = ", and its plan does not count Hugging Face's offload to host memory" if offload else ""
+    return (
+        f"drop {name}=True{also} from TrainingArguments: memfit checkpoints the model's blocks as the plan "
+        f"says, and both would recompute every block{counted}."
+    )
+
+
 def _check_args(args: Any) -> None:
+    conflict = _checkpointing_conflict(args)
+    if conflict:
+        raise ConfigError(conflict)
     for name, why in _CONFLICTS.items():
         if getattr(args, name, False):
             raise ConfigError(f"drop {name}=True from TrainingArguments: {why}.")
@@ -264,9 +282,11 @@ def prepare_trainer(
         ``per_device_train_batch_size`` / ``gradient_accumulation_steps`` from its micro-batches.
 
     Raises:
-        ConfigError: an argument that fights the plan (``gradient_checkpointing=True``,
-            ``auto_find_batch_size=True``: one sentence names it), Hugging Face's own
-            checkpointing on the model, or a dataset / collator memfit cannot profile.
+        ConfigError: an argument that fights the plan (``activation_checkpointing=True``, with
+            its ``offload``; ``auto_find_batch_size=True``: one sentence names it as written),
+            Hugging Face's own checkpointing on the model
+            (``model.activation_checkpointing_enable(...)``, named back with its arguments), or a
+            dataset / collator memfit cannot profile.
         InfeasibleBudget: nothing fits the budget.
     """
     return plan_for_trainer(model, args, train_dataset, budget, data_collator, precision, given=plan)[1]

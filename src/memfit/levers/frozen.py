@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from memfit.levers.head import find_head
+from memfit.levers.quiet import import_torchao
 
 __all__ = [
     "NF4_BLOCK",
@@ -85,6 +86,7 @@ def nf4_available() -> bool:
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (2-D) as torchao's NF4Tensor, quantized from its bf16 values (QLoRA's blocks)."""
+    import_torchao()  # quietly: See memfit.levers.quiet
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
     return torchao_to_nf4(weight.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)

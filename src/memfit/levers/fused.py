@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from memfit.errors import LeverRefused
+from memfit.errors import CheckpointError, LeverRefused
 
 __all__ = ["FusedStep", "fused_step_of"]
 
@@ -130,7 +130,10 @@ class FusedStep:
             try:
                 loss.backward()
             except RuntimeError as exc:
-                if "backward an extra time" not in str(exc):
+                # memfit's CheckpointError carries PyTorch's own error as its cause
+                # (see Note [a recompute per backward]).
+                cause = exc.__cause__ if isinstance(exc, CheckpointError) else exc
+                if "backward an extra time" not in str(cause):
                     raise
                 raise LeverRefused(
                     "fused_step with clipping runs the backward twice (norms first, then the step), which "

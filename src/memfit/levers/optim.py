@@ -33,15 +33,20 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from memfit import progress
 from memfit.errors import LeverRefused
 from memfit.levers.needs import ADAM_LIKE, torchao_available
+from memfit.levers.quiet import import_torchao, quiet_dependencies
 from memfit.stepmodel import state_bytes
 from memfit.vocab import WEIGHTS
 
@@ -139,6 +144,22 @@ def _step_param(opt: Any, group: dict[str, Any], p: torch.Tensor) -> None:
            group["weight_decay"], group["eps"], opt.is_adamw, rounding)  # fmt: skip
 
 
+#: Optimizers whose step has run once (its compilation said so: :func:`_quietly`).
+_COMPILED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _quietly(opt: Any) -> Iterator[None]:
+    """torchao's step without its noise (:mod:`memfit.levers.quiet`) and, while the first one
+    compiles (a minute on a CPU), a progress line that says so."""
+    first = opt not in _COMPILED and not step_runs_eagerly()
+    _COMPILED.add(opt)
+    name = type(opt).__name__.removeprefix("Memfit")
+    waiting = f"compiling torchao's {name} step for each parameter shape (slow only on the first step)"
+    with quiet_dependencies(), progress.waiting(waiting) if first else contextlib.nullcontext():
+        yield
+
+
 def _sliced_step(opt: Any, closure: Any = None) -> Any:
     """torchao's ``step``, each large parameter in slices (Note [the step in slices])."""
     _lr_as_tensor(opt)
@@ -146,7 +167,7 @@ def _sliced_step(opt: Any, closure: Any = None) -> Any:
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    with torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
+    with _quietly(opt), torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -159,6 +180,7 @@ def _sliced_step(opt: Any, closure: Any = None) -> Any:
 
 @functools.cache
 def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
+    import_torchao()  # quietly: See memfit.levers.quiet
     from torchao.optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, _AdamW
 
     def make(base: type[Any], name: str) -> type[torch.optim.Optimizer]:

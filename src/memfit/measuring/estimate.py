@@ -224,11 +224,12 @@ def _finish_profiles(
     """The optimizer's facts (and, with ``levers``, the levers', the loss head's included) on
     every profile."""
     by_dtype = optimizer_state_bytes(f.optimizer)
-    for prof in profiles.values() if levers else []:
-        attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
-        assert prof.lever_facts is not None
-        with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
-            prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
+    with progress.phase("what the levers would save, per precision", len(profiles) if levers else 0) as ph:
+        for prof in ph.over(profiles.values() if levers else []):
+            attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
+            assert prof.lever_facts is not None
+            with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
+                prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)

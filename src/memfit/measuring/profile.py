@@ -56,7 +56,7 @@ from memfit.checkpointing.segments import chain_probe
 from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
-from memfit.measuring.batchcheck import batch_errors, tensor_bytes
+from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
 from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
@@ -177,7 +177,7 @@ class Profiler:
         if self.twin is None and not self.twin_error:
             started = time.perf_counter()
             try:
-                with self._phase("one step under fake tensors (nothing allocated)"):
+                with self._phase("one step under fake tensors (nothing allocated)"), fake_logs_held():
                     self.twin = make_twin(self.model, self.optimizer, self.batch)
                     self.estimate = self._plain_step(on_twin=True)
             except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]

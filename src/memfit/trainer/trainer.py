@@ -39,6 +39,7 @@ from torch import nn
 
 from memfit import progress
 from memfit.check.guards import Guard, GuardConfig
+from memfit.checkpointing.compile import is_compiled
 from memfit.devices import unwrap
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
@@ -333,11 +334,14 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_fit_start(self)
         completed = False
-        bar = tqdm(total=steps, disable=not self.progress_enabled(), unit="step", dynamic_ncols=True)
+        # the bar counts the model's steps (the demo's 250, a resumed run's 20 to 40), not this call's
+        start, end = self.step_count, self.step_count + steps
+        shown = self.progress_enabled()
+        bar = tqdm(total=end, initial=start, disable=not shown, unit="step", dynamic_ncols=True)
         # In a log (no terminal), the same progress as rate-limited plain lines on stderr.
         in_lines = self.progress is not False and not self.progress_enabled() and progress.style() == "lines"
         stack = contextlib.ExitStack()
-        phase = stack.enter_context(progress.phase("training", total=steps)) if in_lines else None
+        phase = stack.enter_context(progress.phase("training", end, start)) if in_lines else None
         try:
             for i in range(steps):
                 try:
@@ -348,10 +352,14 @@ class Trainer:
                 metrics = self.step(batch, eval_fn if (due or i == steps - 1) else None)
                 done.append(metrics)
                 postfix = progress_postfix(metrics, self.precision.scaler.is_enabled())
+                compiled = i == 0 and is_compiled(unwrap(self.model))  # it compiled: not a typical step
                 bar.update(1)
                 bar.set_postfix_str(postfix, refresh=False)
+                if compiled:
+                    bar.reset(total=end)  # the time left is estimated from the steps after it
+                    bar.update(start + 1)
                 if phase is not None:
-                    phase.advance(1, postfix)
+                    phase.advance(1, postfix, timed=not compiled)
                 self.stop_reason = agreed_stop(self.stop_reason, self.dist)
                 if self.stop_reason is not None:
                     break
