@@ -28,8 +28,8 @@ from rlimit import limit_address_space
 
 import memfit
 from memfit.errors import MemfitError, is_out_of_memory
+from memfit.measuring.fake_profile import memory_profile
 from memfit.measuring.preserve import create_optimizer_state
-from memfit.measuring.profile import memory_profile
 from memfit.planning.largest_batch import resize_batch
 from memfit.precision import Precision
 from memfit.step import training_step

@@ -16,7 +16,7 @@ from memfit.cli.common import zero_grads_note
 from memfit.cli.main import _parser, main
 from memfit.devices import DeviceFacts, recommendation_line, slow_precisions
 from memfit.errors import InfeasibleBudget
-from memfit.records import BenchPoint, EstimateEntry, Plan
+from memfit.records import BenchPoint, EstimateEntry, Plan, PlanReport
 from memfit.vocab import PRECISION_CHOICES, PRECISIONS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -64,9 +64,12 @@ def test_the_top_level_names_are_lazy_and_all_there() -> None:
     from memfit import plan
 
     assert plan is memfit.plan and callable(plan)
-    importlib.import_module("memfit.apply")  # the module of the same name does not replace the function
+    importlib.import_module("memfit.applying.apply_plan")  # importing its module leaves the name as it is
 
-    assert callable(memfit.apply) and memfit.apply.__module__ == "memfit.apply"
+    assert callable(memfit.apply) and memfit.apply.__module__ == "memfit.applying.apply_plan"
+    # no top-level name is also a module or package of memfit (See Note [the lazy top level])
+    src = Path(memfit.__file__).parent
+    assert not [n for n in memfit.__all__ if (src / f"{n}.py").exists() or (src / n).is_dir()]
     assert set(memfit.__all__) <= set(dir(memfit))
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         memfit.nothing_here  # noqa: B018
@@ -219,13 +222,13 @@ def test_speed_order_and_slow_precisions() -> None:
 def test_levers_left_out_for_want_of_torchao_name_the_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from memfit.levers import spec
+    from memfit.applying import registry
 
-    monkeypatch.setattr(spec, "torchao_available", lambda: False)
-    hint = spec.missing_torchao_hint("all")
+    monkeypatch.setattr(registry, "torchao_available", lambda: False)
+    hint = registry.missing_torchao_hint("all")
     assert hint is not None and "`pip install 'memfit[levers]'` adds it" in hint
     assert hint.startswith("state_bf16, state_8bit, state_4bit and weights_bf16 were left out")
-    assert spec.missing_torchao_hint("fused_step") is None
+    assert registry.missing_torchao_hint("fused_step") is None
 
     def infeasible(*_a: object, **_k: object) -> Plan:
         raise InfeasibleBudget("no plan fits the budget of 1 B even with the levers fused_step.", 10, 1)
@@ -242,7 +245,8 @@ def test_levers_left_out_for_want_of_torchao_name_the_install(
 def test_demo_words() -> None:
     from memfit.cli.demo import _describe, _losses
 
-    plan = Plan(blocks={"b0": "full", "b1": "none"}, budget_bytes=60, baseline_peak_bytes=100)
+    report = PlanReport(budget_bytes=60, baseline_peak_bytes=100)
+    plan = Plan(blocks={"b0": "full", "b1": "none"}, report=report)
     assert "planned under 60 B (60% of the fp32 peak)" in _describe(plan)
     assert _losses(3, 0.0) == "over the first 3 steps the losses are identical"
     assert _losses(3, 0.25) == "over the first 3 steps the losses differ by at most 0.25"

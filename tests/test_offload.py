@@ -16,7 +16,6 @@ from torch import nn
 
 import memfit
 from memfit.errors import CheckpointError, LeverRefused
-from memfit.levers import apply_levers
 from memfit.levers.head import install_chunked_head
 from memfit.levers.offload import (
     clear_offload,
@@ -26,8 +25,9 @@ from memfit.levers.offload import (
     selective_kept_offloaded,
 )
 from memfit.levers.tiled_mlp import install_tiled_mlp
+from memfit.measuring.fake_profile import memory_profile
 from memfit.measuring.preserve import create_optimizer_state, preserved
-from memfit.measuring.profile import Profiler, memory_profile
+from memfit.measuring.profile import Profiler
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.llama import llama
@@ -200,7 +200,9 @@ def test_the_lever_a_plan_applies_stays_refused_on_a_cpu() -> None:
     model, _ = _llama()
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(LeverRefused, match="offload moves activations to host memory, which on a CPU"):
-        apply_levers(model, opt, Plan(blocks={}, levers=["offload"], offload=BLOCKS))
+        memfit.apply(
+            model, Plan(blocks={}, levers=["offload"], lever_settings={"offload": {"blocks": BLOCKS}}), opt
+        )
 
 
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])

@@ -17,9 +17,9 @@ from torch import nn
 
 import memfit
 from memfit.levers.tiled_mlp import install_tiled_mlp, remove_tiled_mlp
+from memfit.measuring.fake_profile import memory_profile
 from memfit.measuring.long_context import mlp_cost, tiled_mlp_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
-from memfit.measuring.profile import memory_profile
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import gpt_loss
 from memfit.models.llama import llama

@@ -75,13 +75,13 @@ def test_plan_at_60_percent_holds_when_measured(name: str) -> None:
     batch = _batch(4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = memfit.plan(model, batch, hf_causal_loss, "60%", opt, precision="fp32")
-    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
     memfit.apply(model, plan)
     assert any(m != "none" for m in plan.blocks.values())
     measured = memfit.measure(
         model, batch, hf_causal_loss, opt, "fp32", steps=1, micro_batches=plan.micro_batches
     )
-    assert measured.peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert measured.peak_bytes <= plan.budget_bytes < plan.report.baseline_peak_bytes
 
 
 def test_profile_and_estimate_work_on_hf_models() -> None:

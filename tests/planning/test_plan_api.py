@@ -14,7 +14,7 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.models.gpt import gpt_loss
 from memfit.planning.choose import plan_from_profiles
 from memfit.planning.solver import minimum_peak
-from memfit.records import BlockStats, Plan, Profile
+from memfit.records import BlockStats, Plan, PlanReport, Profile
 from memfit.stepmodel import simulate
 
 
@@ -62,7 +62,7 @@ def test_tighter_budgets_checkpoint_more_and_cost_more() -> None:
     prof = _profile()
     lo, hi = _peak(prof, "full"), _peak(prof, "none")
     plans = [plan_from_profiles({"fp32": prof}, int(lo + f * (hi - lo))) for f in (1.0, 0.6, 0.3, 0.0)]
-    times = [p.predicted_step_seconds for p in plans]
+    times = [p.report.predicted_step_seconds for p in plans]
     assert times == sorted(times) and times[0] < times[-1]
     for p in plans:
         assert p.predicted_peak_bytes <= p.budget_bytes
@@ -168,22 +168,22 @@ def test_plan_leaves_the_model_as_it_was() -> None:
 def test_a_plan_never_measured_under_budget_reports_the_last_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every plan measures over its budget: the refusal names the last measured peak (the
     tighter plan that would come next was never measured, so its 0 B is not a measurement)."""
-    from memfit.planning import planner
+    from memfit.planning import checked
 
     model, batch = tiny_gpt(), token_batch()
     seen: list[int] = []
 
-    def over(self: object, result: Plan, budget: int) -> tuple[int, bool]:
+    def over(request: object, result: Plan, budget: int, lines: object) -> tuple[int, bool]:
         seen.append(budget + 1 + len(seen))
         return seen[-1], True
 
-    def tighter(self: object, profiles: object, result: Plan, budget: object, segments: bool) -> tuple:
-        return dataclasses.replace(result, measured_peak_bytes=0), profiles
+    def tighter(chosen: object, profiles: object, result: Plan, *rest: object) -> tuple:
+        return dataclasses.replace(result, report=PlanReport()), profiles
 
-    monkeypatch.setattr(planner._Planner, "_measure_in_room", over)
-    monkeypatch.setattr(planner._Planner, "_tighter", tighter)
+    monkeypatch.setattr(checked, "_measure_in_room", over)
+    monkeypatch.setattr(checked, "_tighter", tighter)
     with pytest.raises(memfit.InfeasibleBudget) as info:
         memfit.plan(model, batch, gpt_loss, "90%", precision="fp32")
-    assert len(seen) == planner._CHECKS
+    assert len(seen) == checked.CHECKS
     assert f"the last measured {format_bytes(seen[-1])}" in str(info.value)
     assert info.value.minimum_bytes == seen[-1]

@@ -32,7 +32,6 @@ __all__ = [
 ]
 
 _aten = torch.ops.aten
-# Note [what selective checkpointing saves]
 # Selective checkpointing keeps the outputs of the ops whose recompute is expensive
 # (matmuls, attention kernels, convolutions) and recomputes everything else. Norms,
 # activations and elementwise ops are memory-bound: recomputing them costs little time but
@@ -138,7 +137,6 @@ def selective_contexts(allow_cache_entry_mutation: bool = False) -> tuple[Any, A
 
 def compiled_contexts(mode: CheckpointMode) -> dict[str, Any]:
     """The ``context_fn`` a checkpoint traced by ``torch.compile`` gets: PyTorch's own, or none."""
-    # Note [checkpointing under torch.compile]
     # Under torch.compile a checkpointed region becomes one higher-order op whose backward the
     # AOT partitioner builds from a functionalized graph. The compiler accepts no context_fn
     # but PyTorch's selective-checkpoint dispatch modes, and needs none of memfit's eager

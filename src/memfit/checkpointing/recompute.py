@@ -429,7 +429,6 @@ def run_checkpointed(
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:
         device = model_device(module)
-    # Note [the anchor tensor]
     # The inputs reach the recompute through ``call``, not through checkpoint's own arguments
     # (it would refuse inputs the block itself overwrote). An empty tensor on the inputs'
     # device still tells checkpoint which device's RNG and autocast state to replay.
@@ -450,7 +449,6 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     """``context_fn``: PyTorch enters the first context around the forward and the second
     around the recompute in backward (with the forward's RNG and autocast state restored).
     """
-    # Note [how the contexts stack]
     # Dispatch modes stack: the one entered last sees each op first, and what it passes on
     # (``func(*args)``) reaches the next one down.
     #   forward    _Watch, then SAC's caching mode (selective only): SAC decides what to keep

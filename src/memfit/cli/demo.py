@@ -27,7 +27,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from memfit import progress
 from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.app.schedule import lr_schedule
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import zero_grads_note
 from memfit.errors import ConfigError
@@ -69,8 +69,8 @@ def _describe(plan: Plan) -> str:
     counts = mode_counts(plan.blocks.values())
     parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
-    if plan.budget_bytes and plan.baseline_peak_bytes:
-        budget += f" ({plan.budget_bytes / plan.baseline_peak_bytes:.0%} of the fp32 peak)"
+    if plan.budget_bytes and plan.report.baseline_peak_bytes:
+        budget += f" ({plan.budget_bytes / plan.report.baseline_peak_bytes:.0%} of the fp32 peak)"
     micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
     blocks = f"{parts or 'no checkpointing'} of {len(plan.blocks)} blocks"
     return f"{plan.precision}, planned{budget}: {blocks}{micro}"

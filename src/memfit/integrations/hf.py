@@ -215,17 +215,20 @@ def prepare(
     model: nn.Module,
     args: Any,
     train_dataset: Any,
-    budget: int | str,
+    budget: int | str | None = None,
     data_collator: Any | None = None,
     precision: PrecisionChoice = "auto",
+    *,
+    plan: Any | None = None,
 ) -> Any:
     """Plan ``model`` for the Hugging Face ``Trainer``; returns the ``TrainingArguments`` to use.
 
     Profiles one real batch, plans to ``budget``, checkpoints the model's blocks as planned
     (turning ``use_cache`` off) and returns ``args`` with ``bf16``/``fp16``,
     ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the plan (the
-    effective batch unchanged); see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
+    effective batch unchanged); given ``plan`` (a :class:`memfit.Plan` made before), it uses that
+    as it is, without profiling; see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
     """
     from memfit.integrations.hf_trainer import prepare_trainer
 
-    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision)
+    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision, plan=plan)

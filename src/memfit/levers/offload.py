@@ -8,7 +8,7 @@ backward, the first use of a block's tensors brings the block before it back on 
 stream (a prefetch, one block ahead), so its copies overlap this block's backward (See Note
 [the offload schedule]). On CUDA: pinned memory, a copy stream, events. On a CPU the same
 schedule runs with the copies going to a second CPU tensor (values and order can be tested;
-nothing is freed, so :mod:`memfit.levers.spec` refuses the lever there).
+nothing is freed, so :mod:`memfit.applying.offload` refuses the lever there).
 
 Trade-off: the device no longer holds the offloaded blocks' activations between their
 forward and their backward, for two copies over the host link (hidden behind compute when
@@ -126,7 +126,7 @@ class _Group:
 # count pinned host memory: what it measures is the device's side of the schedule, which
 # memfit.stepmodel.offload predicts (tests/test_offload.py). The copy back to the "device" is
 # counted. Nothing is freed for real (both copies are in the same memory), which is why
-# memfit.levers.spec refuses the lever on a CPU; the offloader counts the host bytes itself.
+# memfit.applying.offload refuses the lever on a CPU; the offloader counts the host bytes itself.
 
 
 def _dense(t: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ Trade-off: torchao's step is ``torch.compile(fullgraph=True)``, which cannot run
 MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), as it runs
 where dynamo is off (``TORCHDYNAMO_DISABLE=1``). The eager step holds every intermediate, so
 it steps in slices of at most 65,536 elements (more launches: slower on a GPU); the compiled
-one in slices of :data:`memfit.stepmodel.with_levers.STEP_SLICE_ELEMENTS`
+one in slices of :data:`memfit.stepmodel.state_bytes.STEP_SLICE_ELEMENTS`
 (Note [the step in slices], Note [pricing the step that runs]).
 
 Example:
@@ -26,7 +26,7 @@ Example:
     >>> opt = lever_optimizer(torch.optim.AdamW(lin.parameters(), lr=0.01), "8bit", weights_bf16=False)
     >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
     ('MemfitAdamW8bit', 0.01)
-    >>> from memfit.stepmodel.with_levers import state_bytes
+    >>> from memfit.stepmodel.state_bytes import state_bytes
     >>> state_bytes(65536, 4, "8bit")  # codes + block scales + two 256-entry maps + the step count
     135172
 """
@@ -45,9 +45,9 @@ import torch
 
 from memfit import progress
 from memfit.errors import LeverRefused
+from memfit.levers.needs import ADAM_LIKE, torchao_available
 from memfit.levers.quiet import import_torchao, quiet_dependencies
-from memfit.levers.spec import ADAM_LIKE, torchao_available
-from memfit.stepmodel import with_levers
+from memfit.stepmodel import state_bytes
 from memfit.vocab import WEIGHTS
 
 __all__ = ["is_lever_optimizer", "lever_optimizer", "step_runs_eagerly"]
@@ -66,7 +66,7 @@ def step_runs_eagerly(*, training: bool = False) -> bool:
     """Whether torchao's optimizer step runs eagerly here: dynamo is disabled
     (``TORCHDYNAMO_DISABLE=1`` or ``TORCH_COMPILE_DISABLE=1``) or, unless ``training``, under
     the ``force_eager`` stance memfit measures in (See Note [pricing the step that runs] in
-    :mod:`memfit.stepmodel.with_levers`).
+    :mod:`memfit.stepmodel.state_bytes`).
 
     ``training=True`` asks how the step will run in training, where memfit's own measuring
     stance is not in force.
@@ -87,7 +87,6 @@ def step_runs_eagerly(*, training: bool = False) -> bool:
 
 
 def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
-    # Note [torchao's learning-rate tensor]
     # torchao keeps the learning rate as a tensor (no recompile when it changes); a scheduler
     # or a user that writes a float is turned back into one here.
     for group in optimizer.param_groups:
@@ -103,12 +102,12 @@ def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
 # quantized moments slice along their first dimension at block boundaries) gives the same
 # numbers with one slice's temporaries. Sharded (DTensor) parameters step whole. The slice
 # is smaller when the step runs eagerly (See Note [pricing the step that runs] in
-# memfit.stepmodel.with_levers).
+# memfit.stepmodel.state_bytes).
 
 
 def _slices(p: torch.Tensor, moments: list[Any]) -> list[tuple[int, int]]:
     """Row ranges of ``p`` to step one at a time (Note [the step in slices])."""
-    size = with_levers.step_slice_elements(step_runs_eagerly())
+    size = state_bytes.step_slice_elements(step_runs_eagerly())
     sharded = getattr(p, "device_mesh", None) is not None  # a DTensor (FSDP2) steps whole
     if p.dim() == 0 or p.numel() <= size or sharded:
         return [(0, p.shape[0] if p.dim() else 0)]
@@ -197,7 +196,6 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
             return base._new_buffer(self, p, signed)
 
         def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-            # Note [bf16 moments after a load]
             # torch.optim casts loaded floating state to the parameter's dtype; moments kept
             # in bf16 go back to bf16 so a resumed run computes as the saved one did.
             base.load_state_dict(self, state_dict)

@@ -229,7 +229,6 @@ def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> N
         extra = statistics.median(extras["full"]) - sp.checkpoint_seconds
         modelled = sp.forward_scale * forward_work(prof, block)
         if modelled > 0 and extra > 0:
-            # Note [recompute scale clamped]
             # A recompute is the same forward again: a fit outside a quarter to four times
             # it is a disturbed timing, not the model, so it is clamped there (and the
             # timings, telling nothing, spread 1).

@@ -38,7 +38,7 @@ from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.planning.solver import Solution, as_fast, counted_work, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
-from memfit.records import Plan, Profile
+from memfit.records import Plan, PlanReport, Profile
 from memfit.stepmodel import block_options, predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS, PrecisionName, normalize_modes, normalize_precision
 
@@ -87,7 +87,6 @@ def fixed_bytes_message(fixed: int, budget: int, optimizer: str, detail: str = "
 def _explain(precision: str, micro: int, sol: Solution, profiles: Mapping[str, Profile], budget: int) -> str:
     prof = profiles[precision]
     sim = simulate_options(prof, sol.options, micro)
-    # Note [state apart from the optimizer step]
     # "Alone" is what every step holds whatever the plan; the optimizer step's temporaries
     # are not held all step (a fused or for-loop step changes them), so they are named apart.
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
@@ -258,11 +257,13 @@ def plan_from_profiles(
                 segments=[names[a : b + 1] for a, b in sol.segments],
                 precision=normalize_precision(precision),
                 micro_batches=micro,
-                predicted_peak_bytes=sol.peak_bytes,
-                predicted_step_seconds=predict_options_seconds(prof, sol.options, micro),
-                baseline_peak_bytes=baseline_peak_bytes,
-                baseline_step_seconds=baseline_step_seconds,
-                budget_bytes=budget_bytes,
+                report=PlanReport(
+                    predicted_peak_bytes=sol.peak_bytes,
+                    predicted_step_seconds=predict_options_seconds(prof, sol.options, micro),
+                    baseline_peak_bytes=baseline_peak_bytes,
+                    baseline_step_seconds=baseline_step_seconds,
+                    budget_bytes=budget_bytes,
+                ),
             )
     # The smallest peak of every plan considered (each precision and micro-batch count) and of
     # keeping every block: never above any of them.

@@ -1,7 +1,7 @@
 """What the long-context levers' prices rest on: the tiled MLP's bytes, the host link's speed.
 
 :class:`TiledMlpFacts` is measured on one MLP alone at the step's shape
-(:func:`memfit.measuring.tiled_mlp_facts.tiled_mlp_facts`) and read by
+(:func:`memfit.measuring.long_context.tiled_mlp_facts`) and read by
 :mod:`memfit.stepmodel.tiled_mlp`; :class:`HostLinkFacts` by :mod:`memfit.stepmodel.offload`.
 
 Example:
@@ -66,7 +66,7 @@ class TiledMlpFacts(Record):
 @dataclass
 class HostLinkFacts(Record):
     """The link between device and host memory, measured on the device with pinned buffers
-    (:func:`memfit.measuring.tiled_mlp_facts.host_link_facts`)."""
+    (:func:`memfit.measuring.long_context.host_link_facts`)."""
 
     device: str = ""
     to_host_bytes_per_second: float = 0.0

@@ -2,7 +2,7 @@
 
 It composes the pieces and decides nothing: every step is :func:`memfit.step.training_step`
 (autocast, loss scaling, gradient accumulation, clipping after unscaling, zero_grad with
-``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
+``set_to_none``), memory comes from :class:`memfit.measuring.tracker.MemoryWatch`, and
 training state goes through :mod:`memfit.trainer.state`.
 
 One step (guard, memory tracking, re-planning after running out of memory) is the
@@ -59,7 +59,6 @@ __all__ = ["Trainer", "TrainerCallback"]
 STATE_FORMAT = "memfit-training-state"
 
 
-# Note [callbacks as a protocol]
 # The Trainer calls its callbacks through a Protocol, so that it need not import
 # memfit.trainer.callbacks (whose callbacks refer to the Trainer): the import graph stays a tree.
 
@@ -115,7 +114,7 @@ class Trainer:
             (:func:`memfit.trainer.distributed.init_distributed`); ``model`` is then the DDP or
             FSDP2-wrapped model, each step takes this rank's slice of the global batch and
             reports the loss averaged over all ranks.
-        guard: the overflow guard's settings (default :class:`memfit.GuardConfig`: on,
+        guard: the overflow guard's settings (default :class:`memfit.check.guards.GuardConfig`: on,
             ``on_overflow="stop"``); ``GuardConfig(on_overflow="fallback")`` switches
             precision instead of stopping where it can.
         last_good_path: where the guard writes the last good training state before it
