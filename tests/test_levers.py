@@ -138,9 +138,10 @@ def test_levers_are_refused_with_one_sentence(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(needs.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LeverRefused, match="pip install torchao"):
         apply(model, Plan(blocks={}, levers=["state_8bit"]), opt)
-    # chunked_loss needs no torchao (judged on the model when there is one)
+    # chunked_loss and tiled_mlp need no torchao (judged on the model when there is one)
     assert allowed_levers("all", site_of("cpu", opt, "fp32"))[0] == [
         "fused_step",
+        "tiled_mlp",
         "chunked_loss",
     ]
 

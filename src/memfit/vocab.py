@@ -67,7 +67,8 @@ CHECKPOINT_MODES: tuple[CheckpointMode, ...] = typing.get_args(CheckpointMode)
 
 #: What a plan may change beyond activations (see :mod:`memfit.levers`): the optimizer step
 #: fused into the backward, the optimizer state in bf16 / 8 bits / 4 bits, bf16 weights
-#: without an fp32 master copy, activations offloaded to host memory (CUDA only), the loss head
+#: without an fp32 master copy, activations offloaded to host memory (CUDA only), each block's
+#: MLP over chunks of the sequence, the loss head
 #: (projection and cross-entropy) computed in chunks of tokens without the whole logits; the
 #: frozen weights (``requires_grad=False``) in bf16, or their Linear weights in 4-bit NF4.
 LeverName = Literal[
@@ -77,6 +78,7 @@ LeverName = Literal[
     "state_4bit",
     "weights_bf16",
     "offload",
+    "tiled_mlp",
     "chunked_loss",
     "frozen_bf16",
     "frozen_nf4",

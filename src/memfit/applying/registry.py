@@ -29,6 +29,7 @@ from memfit.applying.fused_step import FUSED_STEP
 from memfit.applying.lever import Lever, Predicting, Site
 from memfit.applying.offload import OFFLOAD
 from memfit.applying.state import STATE_4BIT, STATE_8BIT, STATE_BF16
+from memfit.applying.tiled_mlp import TILED_MLP
 from memfit.applying.weights_bf16 import WEIGHTS_BF16
 from memfit.errors import ConfigError, LeverRefused
 from memfit.levers.needs import TORCHAO_INSTALL, torchao_available
@@ -63,6 +64,7 @@ REGISTRY: dict[str, Lever] = {
         STATE_4BIT,
         WEIGHTS_BF16,
         OFFLOAD,
+        TILED_MLP,
         CHUNKED_LOSS,
         FROZEN_BF16,
         FROZEN_NF4,
@@ -202,12 +204,16 @@ def missing_torchao_hint(levers: str | Iterable[str] | None) -> str | None:
 # whose plan fits. A set's risk is the sum of its levers' risks (the frozen weights in bf16
 # 1; the optimizer state in bf16, 8 bits, 4 bits 2, 4, 6; bf16 weights 7; the frozen
 # weights in NF4 20: See Note [NF4 last]); among sets of one risk, those without the exact
-# levers (risk 0: the fused step, whose clipping runs the backward twice, then the chunked
-# loss head, in the registry's order) come first; then the set whose riskiest levers are
-# less risky (the state in 4 bits and the frozen base in bf16 before bf16 weights). At most
-# one lever of a group (the optimizer state's kinds) is in a set, and none a lever
-# excludes (bf16 weights are bf16 frozen weights too). Every set is predicted from the same
-# profiles (with_levers, a pure function): no lever set costs a step.
+# levers (risk 0: the fused step, whose clipping runs the backward twice, then the tiled
+# MLP, then the chunked loss head, in the registry's order: see below) come first; then the
+# set whose riskiest levers are less risky (the state in 4 bits and the frozen base in bf16
+# before bf16 weights). At most one lever of a group (the optimizer state's kinds) is in a
+# set, and none a lever excludes (bf16 weights are bf16 frozen weights too). Every set is
+# predicted from the same profiles (with_levers, a pure function): no lever set costs a
+# step. The exact levers are
+# avoided in the registry's order: the fused step most, then the tiled MLP (one more forward
+# of each MLP), then the chunked loss head (nearly free), so a set with the tiled MLP comes
+# after the same set with the chunked head instead, and before any set with the fused step.
 
 
 def lever_sets(allowed: Sequence[str]) -> list[list[str]]:

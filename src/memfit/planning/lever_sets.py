@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from memfit.applying.registry import lever, lever_sets, usable_levers, with_levers
+from memfit.applying.registry import lever, lever_sets, levers_in_order, usable_levers, with_levers
 from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget, LeverRefused
 from memfit.planning.choose import plan_from_profiles
@@ -102,8 +102,10 @@ def plan_with_levers(
 def _settings_to_try(
     profiles: Mapping[str, Profile], levers: Sequence[str]
 ) -> list[dict[str, LeverSettings]]:
-    """Every combination of the set's levers' settings, in the order each lever lists them."""
-    ladders = [[(name, s) for s in lever(name).settings(profiles)] for name in levers]
+    """Every combination of the set's levers' settings, in the order each lever lists them; the
+    levers' own order (``Lever.order``) says whose setting varies slowest (the loss head's chunk
+    before the tiled MLP's count: See Note [the fewest chunks that fit])."""
+    ladders = [[(lv.name, s) for s in lv.settings(profiles)] for lv in levers_in_order(levers)]
     return [{name: s for name, s in combo if s} for combo in itertools.product(*ladders)]
 
 

@@ -71,7 +71,7 @@ def _choose(request: Request, measured: Measured) -> tuple[Chosen, dict[str, str
     profs, allowed = measured.profiles, list(request.levers)
     step = (request.batch, request.loss_fn) if any(lever(n).step_facts for n in allowed) else None
     for prof in profs.values() if allowed else []:
-        attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step)
+        attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step, allowed)
     allowed, refused = usable_levers(profs, allowed)
     result, used = plan_with_levers(profs, measured.budget_bytes, measured.baseline, allowed)
     lines: list[str] = []

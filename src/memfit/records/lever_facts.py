@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.records.base import Record
+from memfit.records.long_context import TiledMlpFacts
 
 __all__ = ["FrozenFacts", "HeadCost", "HeadFacts", "LeverFacts"]
 
@@ -114,6 +115,8 @@ class LeverFacts(Record):
     """The loss head's bytes, plain and chunked (None: not measured; ``chunked_loss`` is not predicted)."""
     frozen: FrozenFacts | None = None
     """The frozen weights' facts (None: not measured, or the model has no frozen weights)."""
+    tiled_mlp: TiledMlpFacts | None = None
+    """One block's MLP plain and tiled (None: not measured; ``tiled_mlp`` is not predicted)."""
     step_seconds_per_element: dict[str, float] = field(default_factory=dict)
     """Same keys: seconds of one parameter's step per element (median of 3 eager steps; torchao
     compiles its step in training, so for its kinds an upper bound)."""

@@ -61,6 +61,9 @@ class TiledMlpFacts(Record):
     """Per measured chunk count (same order), per mode, the tiled MLP's bytes."""
     refused: str = ""
     """Why the tiled MLP cannot run on this step ("" : it can)."""
+    chunks: int = 0
+    """The count a profile's blocks are priced at (the planner's setting; 0: the ladder's last,
+    :func:`memfit.applying.tiled_mlp.chosen_chunks`)."""
 
 
 @dataclass
