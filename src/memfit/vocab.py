@@ -95,7 +95,7 @@ Schedule = Literal["constant", "cosine"]
 SCHEDULES: tuple[Schedule, ...] = typing.get_args(Schedule)
 
 #: What ``memfit.plan(..., maximize=)`` can ask for instead of the fastest plan.
-Maximize = Literal["batch_size"]
+Maximize = Literal["batch_size", "seq_len"]
 MAXIMIZE: tuple[Maximize, ...] = typing.get_args(Maximize)
 
 #: The dtypes floating weights are trained in: fp32 (as built), bf16 (the weights_bf16 lever).

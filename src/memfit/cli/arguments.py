@@ -121,9 +121,10 @@ def _plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--maximize",
         type=_one_of("MAXIMIZE"),
-        metavar="batch_size",
+        metavar="batch_size|seq_len",
         help="batch_size: find the largest batch (at the configured sequence length) that a plan fits "
-        "without micro-batches, starting from train.batch_size",
+        "without micro-batches, starting from train.batch_size; seq_len: the longest sequence (at the "
+        "configured batch size) that a plan fits, with --levers if given",
     )
     _levers(
         parser, "levers beyond activations the plan may use: comma-separated names or 'all' (default none)"

@@ -4,6 +4,7 @@ Example:
     memfit plan --budget 60% --set model.n_layer=4 --set train.batch_size=8
     memfit plan run.toml --budget 2GiB --out plan.json
     memfit plan --maximize batch_size --budget 256MiB    # the largest batch that fits
+    memfit plan --maximize seq_len --budget 512MiB --levers all    # the longest sequence that fits
     memfit plan --budget device                           # what this device has room for
 """
 
@@ -19,9 +20,11 @@ from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device,
 from memfit.errors import ConfigError
 from memfit.outputs import check_output_file, marked_json, write_text
 from memfit.planning.largest_batch import resize_batch
+from memfit.planning.longest_sequence import resize_sequence
 from memfit.planning.planner import plan
 from memfit.records import Plan
 from memfit.report.table import text_table
+from memfit.step import Batch
 
 __all__ = ["check", "plan_table", "run"]
 
@@ -41,6 +44,15 @@ def plan_table(result: Plan) -> str:
         f"segment {k}: {len(seg)} blocks checkpointed as one" for k, seg in enumerate(result.segments, 1)
     ]
     return text_table(["block", "checkpointing"], rows) + f"\n({', '.join(parts)})"
+
+
+def _answered_batch(batch: Batch, result: Plan, maximize: str | None) -> Batch:
+    """The batch the plan was made for: ``batch`` resized to the answer of ``--maximize``."""
+    if maximize == "batch_size":
+        return resize_batch(batch, result.batch_size)
+    if maximize == "seq_len":
+        return resize_sequence(batch, result.seq_len)
+    return batch
 
 
 def _ratio(a: float, b: float) -> str:
@@ -91,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     report = result.report
     print(
         f"{type(model).__name__} on {device}, batch "
-        f"{describe(resize_batch(batch, result.batch_size) if args.maximize else batch)}: budget "
+        f"{describe(_answered_batch(batch, result, args.maximize))}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
         f"{format_bytes(result.report.baseline_peak_bytes)}"
         + (" (under fake tensors: it does not fit here)" if result.report.baseline_from != "tracked" else "")
@@ -99,8 +111,10 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(plan_table(result))
     print()
-    if args.maximize:
+    if args.maximize == "batch_size":
         print(f"batch size     {result.batch_size} (the largest that fits at this sequence length)")
+    if args.maximize == "seq_len":
+        print(f"sequence       {result.seq_len:,} tokens (the longest that fits at this batch size)")
     print(f"precision      {result.precision}")
     print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
     if result.levers:

@@ -178,9 +178,11 @@ def tiled_mlp_facts(
     precision: str,
     names: Sequence[str] | None = None,
     modes: Sequence[str] = CHECKPOINT_MODES,
+    last_only: bool = False,
 ) -> TiledMlpFacts:
     """One MLP of ``model`` at one step's shape of ``loss_fn(model, batch)``, plain and tiled at
-    each count of the ladder (:func:`memfit.stepmodel.tiled_mlp.mlp_chunk_counts`), in ``modes``;
+    each count of the ladder (:func:`memfit.stepmodel.tiled_mlp.mlp_chunk_counts`; with
+    ``last_only``, its last count alone: what the lever saves at most), in ``modes``;
     ``refused`` says why the tiled MLP cannot run instead (no MLP found, never called, no
     sequence to split). The model's gradients and RNG are as they were."""
     try:
@@ -197,7 +199,9 @@ def tiled_mlp_facts(
         )
     shape, dtype = found
     facts = TiledMlpFacts(modules=modules, rows=shape[:-2].numel(), positions=shape[-2], hidden=shape[-1])
-    facts.chunk_counts = mlp_chunk_counts(facts.positions)
+    facts.chunk_counts = (
+        mlp_chunk_counts(facts.positions)[-1:] if last_only else mlp_chunk_counts(facts.positions)
+    )
     with torch.random.fork_rng(devices=[]):
         facts.plain = {m: mlp_cost(first, shape, dtype, precision, m, 1) for m in modes}
         facts.tiled = [

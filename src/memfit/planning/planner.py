@@ -54,6 +54,7 @@ from memfit.measuring.preserve import preserved
 from memfit.planning.checked import Checked, Chosen, check
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import plan_with_levers, replan_without
+from memfit.planning.longest_sequence import longest_sequence
 from memfit.planning.measure import Measured, measure
 from memfit.planning.notes import plan_notes
 from memfit.planning.request import Request, resolve_request
@@ -168,7 +169,7 @@ def plan(
 ) -> Plan:
     """The fastest plan whose step peak fits ``budget`` (per-block checkpointing and segments,
     precision, micro-batches, levers); or, with ``maximize="batch_size"``, the largest batch
-    one plan fits.
+    one plan fits, with ``maximize="seq_len"`` the longest sequence.
 
     How planning measures, and what it measures only when the budget needs it, is told in
     docs/planning.md.
@@ -188,7 +189,10 @@ def plan(
             a ``dict`` passed here also receives the profiles this call measures, so that a
             later re-plan (after a step runs out of memory) need not profile again.
         maximize: ``"batch_size"``: the largest batch at ``batch``'s other dimensions that one
-            plan fits without micro-batches (:mod:`memfit.planning.largest_batch`).
+            plan fits without micro-batches (:mod:`memfit.planning.largest_batch`);
+            ``"seq_len"``: the longest sequence (dimension 1 of the batch's token ids) at its
+            rows that one plan fits, with ``levers`` if given; ``plan.seq_len`` is the answer
+            (:mod:`memfit.planning.longest_sequence`).
         levers: levers beyond activations the plan may use (:mod:`memfit.applying`): None
             (default: none, so numerics are unchanged), ``"all"`` (those this device, optimizer
             and precision can run) or a list of names (each must be able to run here); the plan
@@ -211,6 +215,8 @@ def plan(
     check_plan_inputs(model, batch, optimizer)
     if maximize is not None:
         _refuse_maximize(maximize, profiles, levers)
+        if maximize == "seq_len":
+            return _longest(model, batch, loss_fn, budget, optimizer, precision, levers, blocks)
         return _largest(model, batch, loss_fn, budget, optimizer, precision, check, blocks)
     request = resolve_request(
         model, batch, loss_fn, budget, optimizer, precision, levers=levers, blocks=blocks, check=check,
@@ -228,8 +234,8 @@ def _refuse_maximize(
     if maximize not in MAXIMIZE:
         raise ConfigError(f"maximize={maximize!r} is not one of {', '.join(MAXIMIZE)}.")
     if profiles is not None:
-        raise ConfigError("maximize='batch_size' profiles each batch size itself; do not pass profiles.")
-    if levers:
+        raise ConfigError(f"maximize={maximize!r} profiles each size itself; do not pass profiles.")
+    if levers and maximize == "batch_size":
         raise ConfigError("maximize='batch_size' plans without levers; leave levers out or maximize out.")
 
 
@@ -252,3 +258,29 @@ def _largest(
 
     with progress.phase(f"finding the largest batch that fits {request.shown}"):
         return largest_batch(request, plan_at)
+
+
+def _longest(
+    model: nn.Module,
+    batch: Batch,
+    loss_fn: LossFn,
+    budget: int | str | Budget,
+    optimizer: torch.optim.Optimizer | None,
+    precision: PrecisionChoice | Sequence[PrecisionName],
+    levers: str | Sequence[LeverName] | None,
+    blocks: str | Sequence[str] | None,
+) -> Plan:
+    """``maximize="seq_len"``: the longest sequence one plan fits (:func:`longest_sequence`)."""
+    request = resolve_request(
+        model, batch, loss_fn, budget, optimizer, precision, levers=levers, blocks=blocks
+    )
+
+    def plan_at(sized: Batch, budget_bytes: int) -> Plan:
+        at = Budget(bytes=budget_bytes, text=str(budget_bytes))
+        return _plan_batch(replace(request, batch=sized, budget=at))
+
+    with progress.phase(f"finding the longest sequence that fits {request.shown}"):
+        try:
+            return longest_sequence(request, plan_at)
+        except InfeasibleBudget as exc:
+            raise _with_missing_levers(exc, levers) from None

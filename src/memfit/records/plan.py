@@ -123,6 +123,9 @@ class Plan(Record):
     batch_size: int = 0
     """The batch the plan was made for (with ``maximize="batch_size"``: the largest that fits);
     0 when not recorded."""
+    seq_len: int = 0
+    """With ``maximize="seq_len"``: the longest sequence (tokens per row) one plan fits, the
+    length it was made for; 0 when not recorded."""
     made_for: MadeFor | None = None
     """The model, batch and device the planner made it for (None: a plan written by hand)."""
     report: PlanReport = field(default_factory=PlanReport, compare=False)

@@ -1,0 +1,315 @@
+"""The longest sequence one plan fits: ``memfit.plan(..., maximize="seq_len")``.
+
+The search (:func:`longest_sequence`) keeps the batch's rows and grows (or shrinks) its
+sequence: dimension 1 of each integer tensor of the batch (token ids, labels), the tokens
+repeated or cut (:func:`resize_sequence`). Each probe measures every checkpointing mode's
+memory on a fake-tensor twin (nothing allocated, so a sequence far longer than the device
+holds costs a fraction of a step and no memory), with the facts the levers need (the loss
+head, the tiled MLP) measured on the twin too, and asks the planner's lever sets whether any
+plan fits (See Note [what a probe asks]). It gallops up from the
+batch's own length by doubling, then bisects to neighbours: the answer fits per the
+estimate, one token more does not. The answer is then planned by the function ``memfit.plan``
+passes in (its own planner for one batch: real steps, timed, the chosen plan measured) and
+returned with ``Plan.seq_len``; where that measurement is over the budget, the search goes
+lower (See Note [confirmed once for real]).
+
+Refused in one sentence: a batch without a sequence (no 2-D integer tensor), a sequence that
+cannot grow past a fixed position table (a learned position embedding, a built-in model's
+``block_size``) when the batch is longer already, a model fake tensors cannot run, a budget
+below the smallest step (:class:`memfit.errors.InfeasibleBudget`).
+
+Trade-off: the probes trust the step model on fake tensors (exact where the twin runs the
+kernels the device runs); only the answer is measured.
+
+Example:
+    >>> import torch
+    >>> import memfit
+    >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+    >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=512))
+    >>> x = torch.randint(0, 256, (2, 16))
+    >>> p = memfit.plan(model, (x, x), gpt_loss, "2MiB", precision="fp32", maximize="seq_len")
+    >>> p.seq_len > 16 and p.measured_peak_bytes <= p.budget_bytes
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from memfit.applying.registry import lever, lever_sets, usable_levers, with_levers
+from memfit.budget import format_bytes
+from memfit.errors import ConfigError, InfeasibleBudget
+from memfit.levers.weights import weights_dtype
+from memfit.measuring.lever_facts import head_facts, lever_facts
+from memfit.measuring.long_context import tiled_mlp_facts
+from memfit.measuring.preserve import create_optimizer_state, preserved
+from memfit.measuring.profile import Profiler
+from memfit.planning.request import Request
+from memfit.planning.solver import minimum_peak, solve
+from memfit.precision import Precision
+from memfit.records import LeverFacts, Plan, Profile
+from memfit.step import Batch, batch_size
+from memfit.vocab import CHECKPOINT_MODES
+
+__all__ = ["longest_sequence", "position_limit", "resize_sequence", "sequence_length"]
+
+#: ``memfit.plan``'s planner for one batch: ``plan_at(batch, budget_bytes) -> Plan``.
+PlanAt = Callable[[Batch, int], Plan]
+#: The longest sequence a search considers.
+_LIMIT = 1 << 24
+#: Names of position tables (learned absolute position embeddings).
+_POSITION_TABLES = ("wpe", "pos", "position")
+
+
+def _tensors(batch: Batch) -> list[torch.Tensor]:
+    return [batch] if isinstance(batch, torch.Tensor) else list(batch)
+
+
+def _is_tokens(t: torch.Tensor) -> bool:
+    return t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
+
+
+def sequence_length(batch: Batch) -> int:
+    """The batch's sequence length: dimension 1 of its first 2-D integer tensor.
+
+    Raises:
+        ConfigError: no tensor of the batch is ``[batch, sequence]`` token ids.
+
+    Example:
+        >>> sequence_length((torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long)))
+        7
+    """
+    for t in _tensors(batch):
+        if isinstance(t, torch.Tensor) and _is_tokens(t):
+            return int(t.shape[1])
+    shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in _tensors(batch) if isinstance(t, torch.Tensor))
+    raise ConfigError(
+        f"maximize='seq_len' grows the sequence of a batch of token ids ([batch, sequence] integers), but "
+        f"this batch has no such tensor ({shapes}): use maximize='batch_size' for a model without a sequence."
+    )
+
+
+def resize_sequence(batch: Batch, n: int) -> Batch:
+    """``batch`` with sequences of ``n`` tokens: every 2-D integer tensor as long as the first
+    one has its tokens repeated or cut; other tensors are kept.
+
+    Example:
+        >>> resize_sequence(torch.tensor([[1, 2, 3]]), 5)
+        tensor([[1, 2, 3, 1, 2]])
+    """
+    length = sequence_length(batch)
+    tensors = _tensors(batch)
+    index = torch.arange(n, device=tensors[0].device) % length
+    out = [t[:, index] if _is_tokens(t) and t.shape[1] == length else t for t in tensors]
+    return out[0] if isinstance(batch, torch.Tensor) else type(batch)(out)
+
+
+def position_limit(model: nn.Module) -> tuple[int, str] | None:
+    """The longest sequence ``model`` takes, and what fixes it: a learned position table (an
+    ``nn.Embedding`` named ``wpe`` or ``*pos*``/``*position*``) or a built-in model's
+    ``config.block_size``; None: nothing does (rotary positions).
+
+    Example:
+        >>> from memfit.models.gpt import GPT, GPTConfig
+        >>> position_limit(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=64)))
+        (64, 'its position table pos_emb (64 rows)')
+    """
+    found: list[tuple[int, str]] = []
+    for name, module in model.named_modules():
+        last = name.rsplit(".", 1)[-1].lower()
+        if isinstance(module, nn.Embedding) and any(k in last for k in _POSITION_TABLES):
+            found.append((module.num_embeddings, f"its position table {name} ({module.num_embeddings} rows)"))
+    size = getattr(getattr(model, "config", None), "block_size", None)
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        found.append((size, f"its config.block_size ({size})"))
+    return min(found) if found else None
+
+
+def _base_facts(request: Request) -> LeverFacts:
+    """The lever facts that do not depend on the sequence (counts, the optimizer's temporaries)."""
+    return lever_facts(request.model, request.optimizer, list(request.blocks))
+
+
+def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> Profile:
+    """Every mode's memory at ``sized`` on a fake twin, with the levers' facts measured there."""
+    r = request
+    prec = Precision(precision, device=r.device)  # type: ignore[arg-type]
+    with preserved(r.model, r.optimizer):
+        prof = Profiler(r.model, sized, r.loss_fn, r.optimizer, prec, list(r.blocks))
+        create_optimizer_state(r.model, r.optimizer)
+        if prof.estimated_peak() is None or prof.twin is None:
+            raise ConfigError(
+                "maximize='seq_len' probes lengths on fake tensors, and this model cannot run on them "
+                f"({prof.twin_error.rstrip('.')}): plan one length at a time with memfit.plan."
+            )
+        prof.use_estimate()
+        prof.modes([m for m in CHECKPOINT_MODES if m != "none"] if prof.blocks else [])
+        out = prof.result()
+        twin = prof.twin
+    facts = copy.deepcopy(base)
+    step_levers = [n for n in r.levers if lever(n).step_facts]
+    with twin.mode:
+        if step_levers:
+            facts.head = head_facts(twin.model, twin.batch, r.loss_fn, precision)
+        if "tiled_mlp" in r.levers:
+            facts.tiled_mlp = tiled_mlp_facts(twin.model, twin.batch, r.loss_fn, precision, last_only=True)
+    out.lever_facts, out.weights = facts, weights_dtype(r.model)
+    return out
+
+
+def _most_saving(profile: Profile, levers: Sequence[str]) -> Profile:
+    """``profile`` under ``levers``, each at the last of its settings (the fewest bytes: the
+    loss head's smallest chunk, the tiled MLP's most chunks)."""
+    for name in levers:
+        ladder = lever(name).settings({profile.precision: profile})
+        profile = lever(name).at_settings(profile, ladder[-1])
+    return with_levers(profile, levers)
+
+
+def _predicted(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> Iterator[Profile]:
+    """Every profile under every lever set (largest sets first: the likeliest to fit)."""
+    usable, _ = usable_levers(profiles, allowed)
+    for levers in sorted(lever_sets(usable) if usable else [[]], key=len, reverse=True):
+        for p, prof in profiles.items():
+            if all(lever(n).runs_at(p) for n in levers):
+                yield _most_saving(prof, levers)
+
+
+class _Search:
+    """The probes of one search, each length's verdict kept (See Note [what a probe asks])."""
+
+    def __init__(self, request: Request, budget_bytes: int) -> None:
+        self.request, self.budget = request, budget_bytes
+        self.base = _base_facts(request)
+        self.rows = batch_size(request.batch)
+        self.verdicts: dict[int, bool] = {}
+
+    def profiles(self, n: int) -> dict[str, Profile]:
+        sized = resize_sequence(self.request.batch, n)
+        return {p: _probe(self.request, sized, p, self.base) for p in self.request.precisions}
+
+    def fits(self, n: int) -> bool:
+        if n not in self.verdicts:
+            try:
+                self.verdicts[n] = any(
+                    solve(prof, self.budget, k) is not None
+                    for prof in _predicted(self.profiles(n), self.request.levers)
+                    for k in sorted({1, self.rows})
+                )
+            except torch.OutOfMemoryError:
+                self.verdicts[n] = False
+        return self.verdicts[n]
+
+    def least(self, n: int) -> int:
+        """The smallest predicted step at ``n`` tokens over lever sets and precisions."""
+        profiles = _predicted(self.profiles(n), self.request.levers)
+        return min(minimum_peak(prof, self.rows).peak_bytes for prof in profiles)
+
+
+# Note [what a probe asks]
+# A probe asks whether any plan fits at a length, not which is fastest: each lever set the
+# planner may use (largest first), at each precision, with every lever at its last setting
+# (the fewest bytes), is given to the exact solver with the budget (one plan or none), at one
+# micro-batch and at one row a micro-batch. The planner's own choice among the plans that fit
+# is made once, at the answer.
+
+
+def _bracket(fits: Callable[[int], bool], lo: int, hi: int) -> tuple[int, int]:
+    """``lo`` (fits, or 0) and ``hi`` (does not, or the limit + 1) narrowed to neighbours: gallop
+    up from ``lo`` by doubling while the top is open, then bisect."""
+    while hi - lo > 1:
+        mid = min(2 * lo, hi - 1) if lo and hi > _LIMIT else (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo, hi
+
+
+def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
+    """The plan for the longest sequence (at the request's batch's rows) within its budget.
+
+    A percentage budget is taken of the fp32 no-checkpointing peak at the batch's own length.
+    Returns the plan ``plan_at`` made at that length, with ``seq_len`` set; its notes say what
+    one token more needs.
+
+    Raises:
+        ConfigError: no sequence, a batch longer than the position table, fake tensors refused.
+        InfeasibleBudget: not even one token fits.
+    """
+    given = sequence_length(request.batch)
+    limit = position_limit(request.model)
+    if limit is not None and given > limit[0]:
+        raise ConfigError(
+            f"the batch's sequence of {given} tokens is longer than {type(request.model).__name__} takes: "
+            f"{limit[1]} fixes it at {limit[0]}; shorten the batch."
+        )
+    budget_bytes = _budget_bytes(request)
+    search = _Search(request, budget_bytes)
+    top = (limit[0] if limit is not None else _LIMIT) + 1
+    lo, hi = (given, top) if search.fits(given) else (0, given)
+    while True:
+        lo, hi = _bracket(search.fits, lo, hi)
+        if lo < 1:
+            _refuse(search, budget_bytes)
+        result = _confirmed(plan_at, request.batch, budget_bytes, lo)
+        if result is not None:
+            break
+        hi = lo  # See Note [confirmed once for real]
+        lo = 0
+    return _answer(result, search, lo, hi, limit)
+
+
+# Note [confirmed once for real]
+# The answer is planned by memfit.plan's own planner at that length: real steps where they fit
+# the device (on a fake twin where not), the plan chosen and measured under its checked loop.
+# Where the planner finds no plan there after all (the fake twin's kernels are not the
+# device's), the search starts again below that length with the probes it has.
+
+
+def _confirmed(plan_at: PlanAt, batch: Batch, budget_bytes: int, n: int) -> Plan | None:
+    try:
+        return plan_at(resize_sequence(batch, n), budget_bytes)
+    except (InfeasibleBudget, torch.OutOfMemoryError):
+        return None
+
+
+def _budget_bytes(request: Request) -> int:
+    if not request.budget.is_fraction:
+        return request.budget_bytes(0)
+    base = Profiler(request.model, request.batch, request.loss_fn, request.optimizer, Precision("fp32"))
+    with preserved(request.model, request.optimizer):
+        create_optimizer_state(request.model, request.optimizer)
+        peak = base.estimated_peak()
+    if peak is None:
+        raise ConfigError(
+            f"maximize='seq_len' with a budget of {request.budget} needs the step's peak on fake tensors, "
+            "which this model cannot run on: give the budget in bytes."
+        )
+    return request.budget_bytes(peak)
+
+
+def _refuse(search: _Search, budget_bytes: int) -> None:
+    least = search.least(1)
+    raise InfeasibleBudget(
+        f"not even a sequence of one token fits the budget of {format_bytes(budget_bytes)}: its smallest "
+        f"predicted step is {format_bytes(least)}; raise the budget.",
+        minimum_bytes=least,
+        budget_bytes=budget_bytes,
+    )
+
+
+def _answer(result: Plan, search: _Search, n: int, above: int, limit: tuple[int, str] | None) -> Plan:
+    notes = list(result.notes)
+    if limit is not None and above > limit[0]:
+        notes.append(f"longest sequence: {n:,} tokens, as long as the model takes ({limit[1]})")
+    elif not search.verdicts.get(above, True):
+        notes.append(
+            f"longest sequence: {n:,} tokens; {above:,} tokens need at least {search.least(above):,} B "
+            f"(predicted on fake tensors), over the budget of {search.budget:,} B"
+        )
+    else:
+        notes.append(f"longest sequence: {n:,} tokens; {above:,} tokens were measured over the budget")
+    return replace(result, seq_len=n, report=replace(result.report, notes=notes))
