@@ -9,6 +9,7 @@ settings the planner searches and how it is applied and undone:
 - :mod:`.state`: ``state_bf16`` / ``state_8bit`` / ``state_4bit``, Adam's moments in fewer bits;
 - :mod:`.weights_bf16`: bf16 weights without an fp32 master copy;
 - :mod:`.offload`: chosen blocks' saved activations in host memory (CUDA only);
+- :mod:`.tiled_mlp`: each block's MLP over chunks of the sequence;
 - :mod:`.chunked_loss`: the loss head in chunks of tokens;
 - :mod:`.frozen`: ``frozen_bf16`` / ``frozen_nf4``, the frozen weights in bf16 or NF4.
 
