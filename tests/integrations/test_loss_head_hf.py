@@ -335,3 +335,27 @@ def test_memfit_s_own_hf_loss_is_the_model_s_loss_and_takes_the_chunked_head(kin
     for n, p in model.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_head_on_a_peft_wrapper_chunks_the_base_models_loss() -> None:
+    """On a peft-wrapped causal LM the lever goes on the base model (the wrapper's
+    ``base_model_prefix`` names the base model, not its decoder); the loss is the plain head's."""
+    peft = pytest.importorskip("peft")
+    import copy
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=172, num_attention_heads=4,
+        num_key_value_heads=4, vocab_size=500, tie_word_embeddings=False, use_cache=False,
+    )  # fmt: skip
+    lora = peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(cfg), lora)
+    plain = copy.deepcopy(model)
+    x = torch.randint(0, 500, (1, 96), generator=torch.Generator().manual_seed(1))
+    install_chunked_head(model, 16)
+    assert chunked_head_of(model) == 16
+    out, ref = model(input_ids=x, labels=x), plain(input_ids=x, labels=x)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=0.0)
+    remove_levers(model, None)
+    assert chunked_head_of(model) is None and model(input_ids=x, labels=x).logits is not None

@@ -163,7 +163,7 @@ def install_chunked_head(model: nn.Module, chunk_tokens: int | None = None) -> N
     if spec is None:
         raise LeverRefused(head_refusal(model) or "chunked_loss cannot run on this model.", _TAG)
     chunk = chunk_tokens or default_chunk_tokens(spec.vocab)
-    inner = unwrap(model)
+    inner = _root(model)
     if spec.kind == "builtin":
         setattr(inner, "loss_chunk_tokens", chunk)  # noqa: B010 (a plain attribute of memfit's models)
     else:
@@ -172,16 +172,25 @@ def install_chunked_head(model: nn.Module, chunk_tokens: int | None = None) -> N
 
 def remove_chunked_head(model: nn.Module) -> None:
     """Take the lever off (the plain head again); a model without it is left as it is."""
-    inner = unwrap(model)
+    inner = _root(model)
     if getattr(inner, "loss_chunk_tokens", None) is not None:
         setattr(inner, "loss_chunk_tokens", None)  # noqa: B010
     if _TAG in forward_layers(inner):
         set_forward_layer(inner, _TAG, None)
 
 
+def _root(model: nn.Module) -> nn.Module:
+    """The model whose forward computes the loss: inside DDP, and inside a peft wrapper its base
+    model (whose ``base_model_prefix`` names the decoder; the wrapper's names the base model)."""
+    inner = unwrap(model)
+    base = getattr(inner, "get_base_model", None)
+    found = base() if callable(base) else inner
+    return found if isinstance(found, nn.Module) else inner
+
+
 def chunked_head_of(model: nn.Module) -> int | None:
     """Tokens per chunk of the lever on ``model``, or None when its head is plain."""
-    inner = unwrap(model)
+    inner = _root(model)
     chunk = getattr(inner, "loss_chunk_tokens", None)
     if chunk is not None:
         return int(chunk)
