@@ -112,3 +112,31 @@ def test_bad_device_memory_is_a_clear_error(memory: object) -> None:
 def test_batch_that_does_not_fit_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match=r"on the batch \(tensors of shapes \(2, 7\), \(2, 1\)\) failed"):
         memfit.estimate(UnevenMLP, (torch.randn(2, 7), torch.randn(2, 1)), mse_loss)
+
+
+def test_batchnorm_estimate_needs_no_real_step_before_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a process that has run no real step, a checkpointed BatchNorm's running statistics
+    are known written from PyTorch's schema information (fake tensors have no values to
+    compare); nothing is learned from the fake step, and the estimate is the measured peak."""
+    from memfit.checkpointing import writes
+
+    monkeypatch.setattr(writes, "_HIDDEN", {})
+    monkeypatch.setattr(writes, "_HIDDEN_OPS", set())
+    est = memfit.estimate(SmallCNN, image_batch(), cnn_loss, lambda p: torch.optim.AdamW(p, lr=1e-3))
+    assert writes._HIDDEN == {}
+    model = SmallCNN()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    memfit.checkpoint(model, mode="full")
+    measured = memfit.measure(model, image_batch(), cnn_loss, opt, precision="fp32", steps=1)
+    assert writes._HIDDEN  # the real step learned what native_batch_norm writes
+    assert est.peak_bytes("fp32", "full") == measured.peak_bytes
+
+
+def test_schema_hidden_follows_the_training_flag() -> None:
+    from memfit.checkpointing.writes import schema_hidden
+
+    bn = torch.ops.aten.native_batch_norm.default
+    x, stats = torch.zeros(4, 3), torch.zeros(3)
+    assert schema_hidden(bn, (x, None, None, stats, stats, True, 0.1, 1e-5)) == (3, 4)
+    assert schema_hidden(bn, (x, None, None, stats, stats, False, 0.1, 1e-5)) == ()
+    assert schema_hidden(torch.ops.aten.mm.default, (x, x.T)) == ()

@@ -31,7 +31,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit.checkpointing.writes import arg_tensors, learn_hidden, learned_hidden, storage_key, written_by
+from memfit.checkpointing.writes import (
+    arg_tensors,
+    learn_hidden,
+    learned_hidden,
+    storage_key,
+    values_unknown,
+    written_by,
+)
 from memfit.errors import CheckpointError
 
 __all__ = ["WrittenBuffers", "buffer_contexts"]
@@ -137,7 +144,8 @@ class WrittenBuffers:
             slots = self.storages.get(key) if key is not None else None
             if slots is None or key in skip:
                 continue
-            if pos >= 0 and learned_hidden(func, args) is None:
+            # See Note [hidden writes without values]: what has no values is not compared
+            if pos >= 0 and learned_hidden(func, args) is None and not values_unknown(t):
                 with torch.no_grad():
                     probes.append((pos, t, t.detach().clone()))
             else:
