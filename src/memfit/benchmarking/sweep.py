@@ -125,7 +125,7 @@ def _refuse_what_cannot_fit(run: _Run, batch: Batch, loss_fn: LossFn, device: to
     assert run.model is not None and run.precision is not None
     try:
         twin = make_twin(run.model, run.optimizer, batch)
-        with twin.mode:
+        with twin.running():
             create_optimizer_state(twin.model, twin.optimizer)
             precision = twin_precision(run.precision)
             mem = phased_step(twin.model, twin.batch, loss_fn, twin.optimizer, precision, [])
@@ -180,7 +180,7 @@ def _plain_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, plain: _Run, d
     try:
         twin = make_twin(model, None, batch)
         fake = _Run(strategy=plain.strategy, point=plain.point, precision=twin_precision(plain.precision))
-        with twin.mode:
+        with twin.running():
             return _flops(uncheckpoint(twin.model.to(device)).train(), twin.batch, loss_fn, None, fake)
     except Exception:  # See Note [fake tensors first, real tensors where they fail]
         copied = uncheckpoint(copy.deepcopy(model).to(device)).train()

@@ -1,7 +1,7 @@
 """Build a model under fake tensors where its constructor or its step needs real values.
 
 :func:`memfit.estimate` builds the model, its optimizer and the batch under PyTorch's
-``FakeTensorMode`` (shapes, dtypes and devices, no storage). Three things real training
+``FakeTensorMode`` (shapes, dtypes and devices, no storage). Four things real training
 does can fail there, and each has a fallback that keeps the bytes without allocating the
 model:
 
@@ -16,7 +16,10 @@ model:
 - a forward that reads values: the batch keeps its real values (:func:`fake_batch`), so a
   check such as ``labels.max() >= vocab_size`` is answered from them, and a random scalar
   the forward branches on (LayerDrop's ``torch.rand([]) < p``) is read as just under 1, the
-  step that drops nothing (see Note [random scalars read as just under one]).
+  step that drops nothing (see Note [random scalars read as just under one]);
+- code that reads the positions a model makes from a length (Hugging Face's masking code,
+  choosing between an explicit mask and SDPA's ``is_causal``): a small ``arange`` keeps its
+  values, and that code reads them as a real step's (see Note [positions keep their values]).
 
 Each fallback used is said once, in one line (:meth:`FakeFallbacks.lines`). A value that
 only a real step has (an ``.item()`` on an activation) is the model's limit, not the
@@ -38,6 +41,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -59,11 +63,13 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from memfit.errors import ConfigError, MemfitError, shown
 from memfit.step import Batch
 
-__all__ = ["FakeFallbacks", "FakeModel", "build_fake", "fake_batch", "model_limits"]
+__all__ = ["FakeFallbacks", "FakeModel", "build_fake", "fake_batch", "model_limits", "values_known_untraced"]
 
 _aten = torch.ops.aten
 _LIFTS = (_aten.lift_fresh.default, _aten.lift_fresh_copy.default)
 _RANDOM_SCALARS = (_aten.rand.default, _aten.rand.generator, _aten.rand_like.default)
+#: Ops whose values follow from their arguments alone (positions made from a length).
+_RANGES = (_aten.arange.default, _aten.arange.start, _aten.arange.start_step)
 
 
 @dataclass
@@ -234,6 +240,55 @@ def _scalar_draw(out: torch.Tensor) -> bool:
 # in every real step. Only scalar draws become values; random tensors stay fake.
 
 
+# Note [positions keep their values]
+# A decoder makes its token positions from the sequence's length (`torch.arange(T)`) and
+# Hugging Face's masking code reads them: `find_packed_sequence_indices` asks whether the
+# positions restart (packed sequences), and only when they do not, and no padding is masked,
+# does it hand SDPA no mask and `is_causal=True`. It does not read them where it finds a
+# fake tensor (its `is_tracing` counts FakeTensor as tracing, as under torch.compile), and
+# builds the explicit (batch, 1, T, T) mask instead, which the real step never holds: a
+# fake step would predict T x T bytes (and SDPA's math path on a mask) that do not exist.
+# So an `arange` small enough to compute keeps its values (a fake-tensor constant, as the
+# batch's values are: See Note [values from the batch]); ops on constants keep theirs; and,
+# while these fallbacks run, `transformers.masking_utils.is_tracing` answers for a tensor
+# with known values what it answers for a real one (`values_known_untraced`). The masking
+# code then reads the same values the real step reads and takes the same path; with values
+# unknown (an activation), or under torch.compile, nothing changes. The name is swapped back
+# on leaving: nothing a real step runs sees it.
+
+
+def _untraced_check(original: Callable[..., bool]) -> Callable[..., bool]:
+    """``is_tracing`` that looks past a fake tensor whose values are known."""
+
+    def is_tracing(tensor: object = None) -> bool:
+        known = isinstance(tensor, FakeTensor) and tensor.constant is not None
+        return original(None if known else tensor)
+
+    return is_tracing
+
+
+@contextlib.contextmanager
+def values_known_untraced() -> Iterator[None]:
+    """While inside, Hugging Face's masking code reads a fake tensor with known values as it
+    reads a real one (See Note [positions keep their values]); a no-op where transformers'
+    masking code is not loaded.
+
+    Example:
+        >>> with values_known_untraced():
+        ...     pass
+    """
+    module = sys.modules.get("transformers.masking_utils")
+    original = getattr(module, "is_tracing", None)
+    if module is None or not callable(original):
+        yield
+        return
+    module.is_tracing = _untraced_check(original)  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        module.is_tracing = original  # type: ignore[attr-defined]
+
+
 class FakeFallbacks(TorchDispatchMode):
     """Answers, under a ``FakeTensorMode``, what its fake kernels refuse but a real step runs.
 
@@ -251,6 +306,7 @@ class FakeFallbacks(TorchDispatchMode):
         """The most bytes one op on the batch's values alone may compute for real (a few copies
         of the batch, e.g. an int64 mask of fp32 audio)."""
         tree_map_only(torch.Tensor, lambda t: self._mark(t, "batch"), batch)
+        self._untraced: list[contextlib.AbstractContextManager[None]] = []
 
     def _origin_of(self, t: object) -> str | None:
         got = self._origin.get(id(t))
@@ -347,6 +403,8 @@ class FakeFallbacks(TorchDispatchMode):
         if origins:
             return self._on_values(func, args, kwargs, _first_origin(origins))
         out = func(*args, **kwargs)
+        if func in _RANGES and isinstance(out, FakeTensor) and out.nbytes <= self._limit:
+            return self._range(func, args, kwargs, out)
         if func in _RANDOM_SCALARS and _scalar_draw(out):
             with unset_fake_temporarily():  # See Note [random scalars read as just under one]
                 one = torch.ones(out.shape, dtype=out.dtype)
@@ -354,6 +412,26 @@ class FakeFallbacks(TorchDispatchMode):
             const = self.mode.fake_tensor_converter.from_real_tensor(self.mode, value, make_constant=True)
             return self._mark(const, "random")
         return out
+
+    def _range(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: FakeTensor) -> Any:
+        """An ``arange`` with its values kept (See Note [positions keep their values])."""
+        try:
+            real = self._real(func, args, kwargs)
+        except (RuntimeError, AssertionError):  # a device this process has no kernels for
+            return out
+        const = self.mode.fake_tensor_converter.from_real_tensor(self.mode, real, make_constant=True)
+        return self._mark(const, "data")
+
+    def __enter__(self) -> FakeFallbacks:
+        self._untraced.append(values_known_untraced())
+        self._untraced[-1].__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._untraced.pop().__exit__(None, None, None)
 
     def lines(self) -> list[str]:
         """One line per fallback used."""

@@ -142,7 +142,7 @@ class Profiler:
         twin = self.twin if on_twin else None  # See Note [random depth at its worst]
         if twin is None:
             return self.model, self.batch, self.optimizer, self.precision, every_layer_runs(self.model)
-        context = both(twin.mode, every_layer_runs(twin.model))
+        context = both(twin.running(), every_layer_runs(twin.model))
         return twin.model, twin.batch, twin.optimizer, twin_precision(self.precision), context
 
     def _plain_step(self, on_twin: bool) -> StepMemory:

@@ -8,9 +8,14 @@ on it under the same MemTracker accounting a real step has, so its bytes are wha
 step would hold (:mod:`memfit.measuring.estimate` does the same for a model built from its
 constructor).
 
-Trade-off: nothing is computed, so a model whose forward reads tensor values (a
-data-dependent branch, ``.item()``) cannot run on a twin; :func:`make_twin` or the step
-then fails, and the caller measures for real where that fits (the error says why).
+The twin runs under :class:`memfit.measuring.fakebuild.FakeFallbacks`, as an estimate does:
+the batch keeps its values, and so do the positions a model makes from a length, so a forward
+that reads them (a check of the labels' range, Hugging Face's choice of an attention mask)
+takes the path the real step takes (See Note [positions keep their values]).
+
+Trade-off: nothing else is computed, so a model whose forward reads the values of its
+activations (a data-dependent branch, ``.item()``) cannot run on a twin; :func:`make_twin` or
+the step then fails, and the caller measures for real where that fits (the error says why).
 
 Example:
     >>> import torch
@@ -20,7 +25,7 @@ Example:
     >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
     >>> x = torch.randint(0, 256, (2, 16))
     >>> twin = make_twin(model, None, (x, x))
-    >>> with twin.mode:
+    >>> with twin.running():
     ...     fake = phased_step(twin.model, twin.batch, gpt_loss, None, Precision("fp32"), [])
     >>> real = phased_step(model, (x, x), gpt_loss, None, Precision("fp32"), [])
     >>> fake.peak == real.peak
@@ -29,15 +34,17 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map_only
 
+from memfit.measuring.fakebuild import FakeFallbacks, fake_batch
 from memfit.precision import Precision
 from memfit.step import Batch
 
@@ -46,12 +53,19 @@ __all__ = ["Twin", "make_twin", "twin_precision"]
 
 @dataclass
 class Twin:
-    """The fake copies; run them inside ``with twin.mode:``."""
+    """The fake copies; run them inside ``with twin.running():``."""
 
     mode: FakeTensorMode
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     batch: Batch
+    fallbacks: FakeFallbacks
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Fake mode with its fallbacks: where the twin's steps run."""
+        with self.mode, self.fallbacks:
+            yield
 
 
 def _fake_optimizer(optimizer: torch.optim.Optimizer, fakes: dict[int, Any]) -> torch.optim.Optimizer:
@@ -92,8 +106,8 @@ def make_twin(model: nn.Module, optimizer: torch.optim.Optimizer | None, batch: 
             )
         fake_model = copy.deepcopy(model, dict(fakes))
         fake_opt = _fake_optimizer(optimizer, fakes) if optimizer is not None else None
-    fake_batch = tree_map_only(torch.Tensor, mode.from_tensor, batch)
-    return Twin(mode, fake_model, fake_opt, fake_batch)
+    inputs = fake_batch(mode, batch)
+    return Twin(mode, fake_model, fake_opt, inputs, FakeFallbacks(mode, inputs))
 
 
 def twin_precision(precision: Precision) -> Precision:

@@ -153,7 +153,7 @@ def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> 
         twin = prof.twin
     facts = copy.deepcopy(base)
     step_levers = [n for n in r.levers if lever(n).step_facts]
-    with twin.mode:
+    with twin.running():
         if step_levers:
             facts.head = head_facts(twin.model, twin.batch, r.loss_fn, precision)
         if "tiled_mlp" in r.levers:
