@@ -211,9 +211,12 @@ def missing_torchao_hint(levers: str | Iterable[str] | None) -> str | None:
 # set, and none a lever excludes (bf16 weights are bf16 frozen weights too). Every set is
 # predicted from the same profiles (with_levers, a pure function): no lever set costs a
 # step. The exact levers are
-# avoided in the registry's order: the fused step most, then the tiled MLP (one more forward
-# of each MLP), then the chunked loss head (nearly free), so a set with the tiled MLP comes
-# after the same set with the chunked head instead, and before any set with the fused step.
+# avoided in the registry's order: the fused step most, then offload (copies over the host
+# link), then the tiled MLP (one more forward of each MLP), then the chunked loss head (nearly
+# free), so a set with the tiled MLP comes after the same set with the chunked head instead,
+# and before any set with offload or the fused step. Offload is also weighed by time: where
+# the same set with it is faster (See Note [offload against recompute] in
+# memfit.planning.offloaded), it is taken though a set without it fits.
 
 
 def lever_sets(allowed: Sequence[str]) -> list[list[str]]:

@@ -20,6 +20,7 @@ import torch
 from memfit.app.build import build_model
 from memfit.app.config import FROZEN_BASES, Config
 from memfit.applying import Site, allowed_levers, lever, missing_torchao_hint, normalize_levers, usable_levers
+from memfit.applying.offload import OFFLOAD
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.advice import speed_order
 from memfit.cli.common import config_from_args, zero_grads_note
@@ -88,8 +89,10 @@ def run(args: argparse.Namespace) -> int:
     levers = args.levers or ("all" if memory is not None and _nothing_fits(est.ordered(), memory) else None)
     refused: dict[str, str] = {}
     if levers:
-        # levers the planner does not choose (offload) are left out: their bytes are not in the step model
-        asked = [n for n in normalize_levers(levers) if lever(n).planned]
+        # offload is priced per plan over the step's events (memfit.planning.offloaded), not per
+        # profile, so the smallest step with levers (uniform modes) leaves it out, as it does the
+        # levers the planner does not choose
+        asked = [n for n in normalize_levers(levers) if lever(n).planned and n != OFFLOAD.name]
         allowed, refused = allowed_levers(asked, Site(torch.device("cpu"), est.optimizer or "none", "auto"))
         est.with_levers = smallest_with_levers(est.profiles, allowed)
     if args.json:

@@ -33,10 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit.applying.frozen import FROZEN_NF4
+from memfit.applying.offload import OFFLOAD
 from memfit.applying.tiled_mlp import TILED_MLP
 from memfit.applying.weights_bf16 import WEIGHTS_BF16
 from memfit.checkpointing.compile import eager
-from memfit.devices import unwrap
+from memfit.devices import model_device, unwrap
 from memfit.levers.frozen import (
     NF4_BLOCK,
     NF4_SCALER_BLOCK,
@@ -55,7 +56,7 @@ from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, 
 from memfit.levers.needs import torchao_available
 from memfit.levers.optim import lever_optimizer, step_runs_eagerly
 from memfit.levers.weights import cast_weights, restore_weights, weights_dtype
-from memfit.measuring.long_context import tiled_mlp_facts
+from memfit.measuring.long_context import host_link_facts, tiled_mlp_facts
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
@@ -512,12 +513,15 @@ def attach_lever_facts(
     with ``step=(batch, loss_fn)`` also the loss head's (:func:`head_facts`), and with
     ``tiled_mlp`` among ``levers`` one MLP's, plain and tiled
     (:func:`memfit.measuring.long_context.tiled_mlp_facts`: a few runs of one MLP, measured
-    only where the lever may be chosen)."""
+    only where the lever may be chosen), and with ``offload`` the host link's speeds
+    (:func:`memfit.measuring.long_context.host_link_facts`)."""
     profile.lever_facts = lever_facts(model, optimizer, blocks)
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
     if step is not None and TILED_MLP.name in levers:
         profile.lever_facts.tiled_mlp = tiled_mlp_facts(model, step[0], step[1], profile.precision)
+    if OFFLOAD.name in levers:
+        profile.lever_facts.host_link = host_link_facts(model_device(model))
     profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
     if step is not None:
         profile.lever_facts.weights_saved_delta = weights_saved_delta(model, blocks, step, profile.precision)

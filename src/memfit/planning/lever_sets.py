@@ -23,10 +23,19 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
-from memfit.applying.registry import lever, lever_sets, levers_in_order, usable_levers, with_levers
+from memfit.applying.offload import OFFLOAD
+from memfit.applying.registry import (
+    lever,
+    lever_sets,
+    levers_in_order,
+    normalize_levers,
+    usable_levers,
+    with_levers,
+)
 from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget, LeverRefused
-from memfit.planning.choose import plan_from_profiles
+from memfit.planning.choose import TIE, plan_from_profiles
+from memfit.planning.offloaded import offloaded_peak, plan_offloaded
 from memfit.records import EstimateEntry, Plan, Profile
 from memfit.records.plan import LeverSettings
 from memfit.stepmodel import simulate
@@ -56,17 +65,24 @@ def _at_settings(profile: Profile, levers: Sequence[str], settings: Mapping[str,
     return profile
 
 
+def _peak(profile: Profile, plan: Plan, levers: Sequence[str]) -> int:
+    """The predicted peak of ``plan``'s decision with ``levers`` (offload priced over the step)."""
+    under = with_levers(profile, levers)
+    if OFFLOAD.name in levers:
+        return offloaded_peak(under, plan)
+    return simulate(under, plan.blocks, plan.micro_batches, plan.segments).peak_bytes
+
+
 def savings(profiles: Mapping[str, Profile], plan: Plan) -> dict[str, int]:
     """Per lever of ``plan``: predicted peak of the same plan without it, minus the plan's."""
     out = {}
     base = _at_settings(profiles[plan.precision], plan.levers, plan.lever_settings)
-    peak = simulate(with_levers(base, plan.levers), plan.blocks, plan.micro_batches, plan.segments).peak_bytes
+    peak = _peak(base, plan, plan.levers)
     for name in plan.levers:
         rest = [n for n in plan.levers if n != name]
         if not all(lever(n).runs_at(base.precision) for n in rest):
             continue
-        without = simulate(with_levers(base, rest), plan.blocks, plan.micro_batches, plan.segments)
-        out[name] = without.peak_bytes - peak
+        out[name] = _peak(base, plan, rest) - peak
     return out
 
 
@@ -84,7 +100,8 @@ def plan_with_levers(
     smallest: InfeasibleBudget | None = None
     for levers in lever_sets(allowed) if allowed else [[]]:
         try:
-            return plan_lever_set(profiles, levers, budget_bytes, baseline)
+            found = plan_lever_set(profiles, levers, budget_bytes, baseline)
+            return _faster_offloaded(found, profiles, levers, budget_bytes, baseline, allowed)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
@@ -97,6 +114,27 @@ def plan_with_levers(
         minimum_bytes=smallest.minimum_bytes,
         budget_bytes=budget_bytes,
     )
+
+
+def _faster_offloaded(
+    found: tuple[Plan, dict[str, Profile]],
+    profiles: Mapping[str, Profile],
+    levers: Sequence[str],
+    budget_bytes: int,
+    baseline: tuple[int, float],
+    allowed: Sequence[str],
+) -> tuple[Plan, dict[str, Profile]]:
+    """``found``, or the same lever set with offload where that is faster by more than a tie
+    (See Note [offload against recompute] in :mod:`memfit.planning.offloaded`)."""
+    with_offload = [n for n in normalize_levers([*levers, OFFLOAD.name])]
+    if OFFLOAD.name not in allowed or OFFLOAD.name in levers or with_offload not in lever_sets(allowed):
+        return found
+    try:
+        other = plan_lever_set(profiles, with_offload, budget_bytes, baseline)
+    except InfeasibleBudget:
+        return found
+    seconds = found[0].report.predicted_step_seconds
+    return other if other[0].report.predicted_step_seconds < seconds * (1 - TIE) else found
 
 
 def _settings_to_try(
@@ -131,12 +169,16 @@ def plan_lever_set(
         if not profs:
             break
         try:
-            result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments)
+            if OFFLOAD.name in levers:
+                result = plan_offloaded(profs, budget_bytes, baseline)
+            else:
+                result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
             continue
-        result = replace(result, levers=list(levers), lever_settings=_nonzero(settings))
+        chosen = {**_nonzero(settings), **result.lever_settings}
+        result = replace(result, levers=list(levers), lever_settings=chosen)
         saved = savings(profiles, result) if levers else {}
         return replace(result, report=replace(result.report, lever_savings=saved)), profs
     if smallest is None:

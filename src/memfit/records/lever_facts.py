@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.records.base import Record
-from memfit.records.long_context import TiledMlpFacts
+from memfit.records.long_context import HostLinkFacts, TiledMlpFacts
 
 __all__ = ["FrozenFacts", "HeadCost", "HeadFacts", "LeverFacts"]
 
@@ -117,6 +117,9 @@ class LeverFacts(Record):
     """The frozen weights' facts (None: not measured, or the model has no frozen weights)."""
     tiled_mlp: TiledMlpFacts | None = None
     """One block's MLP plain and tiled (None: not measured; ``tiled_mlp`` is not predicted)."""
+    host_link: HostLinkFacts | None = None
+    """The link between the device and pinned host memory (None: not measured; ``offload`` is
+    not priced)."""
     step_seconds_per_element: dict[str, float] = field(default_factory=dict)
     """Same keys: seconds of one parameter's step per element (median of 3 eager steps; torchao
     compiles its step in training, so for its kinds an upper bound)."""
