@@ -41,14 +41,16 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from memfit.applying.offload import OFFLOAD
 from memfit.applying.registry import lever, lever_sets, usable_levers, with_levers
 from memfit.budget import format_bytes
 from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.levers.weights import weights_dtype
 from memfit.measuring.lever_facts import head_facts, lever_facts
-from memfit.measuring.long_context import tiled_mlp_facts
+from memfit.measuring.long_context import host_link_facts, tiled_mlp_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
+from memfit.planning.offloaded import plan_offloaded
 from memfit.planning.request import Request
 from memfit.planning.solver import minimum_peak, solve
 from memfit.precision import Precision
@@ -131,8 +133,12 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
 
 
 def _base_facts(request: Request) -> LeverFacts:
-    """The lever facts that do not depend on the sequence (counts, the optimizer's temporaries)."""
-    return lever_facts(request.model, request.optimizer, list(request.blocks))
+    """The lever facts that do not depend on the sequence (counts, the optimizer's temporaries,
+    the host link where offload may be chosen)."""
+    facts = lever_facts(request.model, request.optimizer, list(request.blocks))
+    if OFFLOAD.name in request.levers:
+        facts.host_link = host_link_facts(request.device)
+    return facts
 
 
 def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> Profile:
@@ -171,13 +177,37 @@ def _most_saving(profile: Profile, levers: Sequence[str]) -> Profile:
     return with_levers(profile, levers)
 
 
-def _predicted(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> Iterator[Profile]:
-    """Every profile under every lever set (largest sets first: the likeliest to fit)."""
+def _predicted(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> Iterator[tuple[bool, Profile]]:
+    """Every profile under every lever set (largest sets first: the likeliest to fit), and
+    whether the set offloads (priced over the step: :mod:`memfit.planning.offloaded`)."""
     usable, _ = usable_levers(profiles, allowed)
     for levers in sorted(lever_sets(usable) if usable else [[]], key=len, reverse=True):
         for p, prof in profiles.items():
             if all(lever(n).runs_at(p) for n in levers):
-                yield _most_saving(prof, levers)
+                yield OFFLOAD.name in levers, _most_saving(prof, levers)
+
+
+def _fits(prof: Profile, offloads: bool, budget: int, micro: int) -> bool:
+    """Whether a plan at ``micro`` micro-batches fits ``budget`` (offloading if ``offloads``)."""
+    if not offloads:
+        return solve(prof, budget, micro) is not None
+    try:
+        plan_offloaded({prof.precision: prof}, budget, (0, 0.0))
+    except InfeasibleBudget:
+        return False
+    return True
+
+
+def _least(prof: Profile, offloads: bool, rows: int) -> int:
+    """The smallest predicted step (offloading if ``offloads``)."""
+    plain = minimum_peak(prof, rows).peak_bytes
+    if not offloads:
+        return plain
+    try:
+        plan_offloaded({prof.precision: prof}, 0, (0, 0.0))
+    except InfeasibleBudget as exc:
+        return min(plain, exc.minimum_bytes)
+    return 0
 
 
 class _Search:
@@ -197,8 +227,8 @@ class _Search:
         if n not in self.verdicts:
             try:
                 self.verdicts[n] = any(
-                    solve(prof, self.budget, k) is not None
-                    for prof in _predicted(self.profiles(n), self.request.levers)
+                    _fits(prof, offloads, self.budget, k)
+                    for offloads, prof in _predicted(self.profiles(n), self.request.levers)
                     for k in sorted({1, self.rows})
                 )
             except torch.OutOfMemoryError:
@@ -208,7 +238,7 @@ class _Search:
     def least(self, n: int) -> int:
         """The smallest predicted step at ``n`` tokens over lever sets and precisions."""
         profiles = _predicted(self.profiles(n), self.request.levers)
-        return min(minimum_peak(prof, self.rows).peak_bytes for prof in profiles)
+        return min(_least(prof, offloads, self.rows) for offloads, prof in profiles)
 
 
 # Note [what a probe asks]
