@@ -50,6 +50,7 @@ from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.fakebuild import FakeFallbacks, build_fake, fake_batch, model_limits
 from memfit.measuring.lever_facts import attach_lever_facts, head_facts
+from memfit.measuring.long_context import tiled_mlp_facts
 from memfit.measuring.order import run_order
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
@@ -219,17 +220,20 @@ def _profiles_and_entries(
 
 
 def _finish_profiles(
-    f: _Fake, profiles: dict[str, Profile], levers: bool, step: tuple[Batch, LossFn]
+    f: _Fake, profiles: dict[str, Profile], levers: bool | Sequence[str], step: tuple[Batch, LossFn]
 ) -> None:
-    """The optimizer's facts (and, with ``levers``, the levers', the loss head's included) on
-    every profile."""
+    """The optimizer's facts (and, with ``levers``, the levers', the loss head's included, and
+    the tiled MLP's where ``levers`` names it) on every profile."""
     by_dtype = optimizer_state_bytes(f.optimizer)
+    tiled = not isinstance(levers, bool) and "tiled_mlp" in levers
     with progress.phase("what the levers would save, per precision", len(profiles) if levers else 0) as ph:
         for prof in ph.over(profiles.values() if levers else []):
             attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
             assert prof.lever_facts is not None
             with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
                 prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
+                if tiled:  # one MLP alone at the step's shape, plain and tiled
+                    prof.lever_facts.tiled_mlp = tiled_mlp_facts(f.model, step[0], step[1], prof.precision)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)
@@ -243,7 +247,7 @@ def estimate(
     device_memory: int | str | None = None,
     precisions: Iterable[PrecisionName | str] = PRECISIONS,
     modes: Iterable[CheckpointMode | str] = CHECKPOINT_MODES,
-    levers: bool = False,
+    levers: bool | Sequence[str] = False,
 ) -> Estimate:
     """Predict the peak bytes of one steady-state training step per precision and mode.
 
@@ -260,7 +264,9 @@ def estimate(
         precisions: subset of fp32, bf16, fp16.
         modes: subset of none, selective, full.
         levers: also count what the levers need (:func:`memfit.measuring.lever_facts.attach_lever_facts`:
-            parameters per block, and one small real optimizer step per state kind).
+            parameters per block, and one small real optimizer step per state kind); a list of
+            lever names that includes ``tiled_mlp`` also measures one MLP alone, plain and
+            tiled, on fake tensors (:func:`memfit.measuring.long_context.tiled_mlp_facts`).
 
     Returns:
         An :class:`memfit.records.Estimate`.
