@@ -433,13 +433,17 @@ def room(device: str | torch.device) -> Room | None:
 # reuse, and a plan that fits the limit runs out of it. Where RLIMIT_AS is the tightest
 # limit, memfit asks glibc to map every allocation of 64 KiB or more on its own
 # (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up), so
-# freeing a tensor returns its address space, and measuring keeps its snapshot of the
-# weights in a file (:func:`memfit.measuring.preserve.preserved`). The price is a page fault
+# freeing a tensor returns its address space (and to keep to the malloc arenas it has:
+# another thread's arena would reserve 64 MiB of address space), and measuring keeps its
+# snapshot of the weights in a file (:func:`memfit.measuring.preserve.preserved`). The price is a page fault
 # per fresh page of every large tensor, paid only by processes under such a limit. Other
 # C libraries (musl) and other systems are left alone.
 
-#: glibc's ``mallopt`` parameter for the mmap threshold, and the threshold memfit sets.
-_M_MMAP_THRESHOLD, _MAP_FROM = -3, 64 * 1024
+#: glibc's ``mallopt`` parameters for the mmap threshold and the number of arenas, and what
+#: memfit sets them to (a thread's new arena would reserve 64 MiB of address space).
+_M_MMAP_THRESHOLD, _MAP_FROM, _M_ARENA_MAX = -3, 64 * 1024, -8
+_MAPPED: list[bool] = []
+"""Whether glibc was told (once per process; empty: not yet)."""
 
 
 def address_space_limited(device: str | torch.device = "cpu") -> bool:
@@ -455,16 +459,18 @@ def address_space_limited(device: str | torch.device = "cpu") -> bool:
     return _cpu_room().source == "RLIMIT_AS"
 
 
-@functools.cache
 def return_freed_address_space() -> bool:
     """Have glibc map every allocation of 64 KiB or more on its own, so freeing it returns
-    its address space; True where that was done (glibc), False elsewhere. Once per process.
-    See Note [address space under RLIMIT_AS].
+    its address space, and keep to the arenas it has; True where that was done (glibc),
+    False elsewhere. Once per process. See Note [address space under RLIMIT_AS].
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if not hasattr(libc, "gnu_get_libc_version"):
-            return False
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAP_FROM))
-    except (OSError, AttributeError):
-        return False
+    if not _MAPPED:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            done = hasattr(libc, "gnu_get_libc_version") and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAP_FROM))
+            if done:
+                libc.mallopt(_M_ARENA_MAX, 1)
+        except Exception:  # no glibc, or no room left to ask: the allocator stays as it is
+            done = False
+        _MAPPED.append(done)
+    return _MAPPED[0]
