@@ -179,8 +179,10 @@ def plan_with_levers(
     budget_bytes: int,
     baseline: tuple[int, float],
     allowed: Sequence[str],
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
-    """The plan of the least risky lever set that fits, and the profiles it was planned from.
+    """The plan of the least risky lever set that fits, and the profiles it was planned from
+    (``split``: micro-batches allowed, as :func:`~memfit.planning.choose.plan_from_profiles`).
 
     Raises:
         InfeasibleBudget: no lever set fits (the message names the smallest peak found).
@@ -188,7 +190,7 @@ def plan_with_levers(
     smallest: InfeasibleBudget | None = None
     for levers in lever_sets(allowed) if allowed else [[]]:
         try:
-            return plan_lever_set(profiles, levers, budget_bytes, baseline)
+            return plan_lever_set(profiles, levers, budget_bytes, baseline, split=split)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
@@ -236,6 +238,7 @@ def plan_lever_set(
     budget_bytes: int,
     baseline: tuple[int, float],
     segments: bool = True,
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
     """The fastest plan with ``levers`` that fits (with ``chunked_loss``, at the largest chunk
     size that fits: See Note [the largest chunk that fits]), and the profiles it was planned from.
@@ -251,7 +254,7 @@ def plan_lever_set(
         if not profs:
             break
         try:
-            result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments)
+            result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments, split=split)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc

@@ -106,6 +106,8 @@ class _Planner:
         its own steps have."""
         self.held = 0
         """Bytes of weights, buffers and optimizer state held when the room was read."""
+        self.split = True
+        """Micro-batches allowed (False: the largest-batch search's batch, computed at once)."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = fixed_bytes(self.model, self.optimizer)
@@ -227,7 +229,9 @@ class _Planner:
         self.tried.append(sorted(result.levers))
         try:
             levers, saved = result.levers, result.lever_savings
-            tighter = plan_from_profiles(profiles, whole - margin, *self.baseline, segments=segments)
+            tighter = plan_from_profiles(
+                profiles, whole - margin, *self.baseline, segments=segments, split=self.split
+            )
             tighter.levers, tighter.lever_savings = levers, saved
             tighter.loss_chunk_tokens = result.loss_chunk_tokens
             return tighter, profiles
@@ -239,7 +243,7 @@ class _Planner:
             if sorted(levers) in self.tried:
                 continue
             try:
-                return plan_lever_set(self.lever_base, levers, whole, self.baseline, segments)
+                return plan_lever_set(self.lever_base, levers, whole, self.baseline, segments, self.split)
             except InfeasibleBudget:
                 continue
         raise first
@@ -371,7 +375,7 @@ def _chosen(
     allowed, unusable = usable_levers(profs, allowed)
     request.refused.update(unusable)
     planner.allowed, planner.lever_base = list(allowed), profs  # for check's tighter plans
-    result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed)
+    result, used = plan_with_levers(profs, planner.budget_bytes, planner.baseline, allowed, planner.split)
     if verify and result.levers:
         failed = failing_levers(
             planner.model, planner.batch, planner.loss_fn, planner.optimizer, result, planner.measured
@@ -395,8 +399,10 @@ def _plan_batch(
     profiles: Mapping[str, Profile] | None = None,
     levers: str | Sequence[LeverName] | None = None,
     verify: bool = False,
+    split: bool = True,
 ) -> Plan:
-    """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report."""
+    """The fastest plan for ``batch`` as it is: resolve, measure, choose, check, report
+    (``split``: micro-batches allowed)."""
     started = time.perf_counter()
     request = _request(model, optimizer, precision, levers, budget)
     spec = request.budget
@@ -409,7 +415,7 @@ def _plan_batch(
             planner = _Planner(model, batch, loss_fn, optimizer, request.wanted, request.budget)
             planner.room, planner.held = request.room, request.held
             planner.complete = isinstance(profiles, dict)  # a cache to fill for later re-plans
-            planner.levers = request.levers
+            planner.levers, planner.split = request.levers, split
             profs = _measured_profiles(planner, profiles)
             result, used = _chosen(planner, profs, request, verify)
             if check:
@@ -511,7 +517,7 @@ def plan(
     wanted = candidate_precisions(precision, model_device(model))
 
     def plan_at(sized: Batch, budget_bytes: int) -> Plan:
-        return _plan_batch(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check)
+        return _plan_batch(model, sized, loss_fn, budget_bytes, optimizer, wanted, check=check, split=False)
 
     spec, device = Budget.parse(budget), model_device(model)
     if spec.bytes is not None:  # refused at once, before any progress is shown
