@@ -66,7 +66,7 @@ from memfit.measuring.phases import (
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.prices import MICRO, TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
-from memfit.measuring.speed import measure_speed
+from memfit.measuring.speed import device_speed
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
@@ -423,7 +423,7 @@ class Profiler:
         started = time.perf_counter()
         self.times += self._timed_steps(repeats)[0]
         with self._phase("micro-benchmarks of the device"):
-            self.speed = measure_speed(model_device(self.model), self.precision)
+            self.speed = device_speed(model_device(self.model), self.precision)
         self.measured.append(
             f"{repeats} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
