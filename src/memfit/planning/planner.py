@@ -68,6 +68,8 @@ __all__ = ["plan"]
 
 #: Re-plans after a measured check found the plan over budget.
 _CHECKS = 3
+#: What :meth:`_Planner._measure_in_room` reads where the plan ran out of memory.
+_OUT_OF_MEMORY = -1
 #: Whole steps timed per precision for the time model (more come with the checkpointed rounds).
 _TIMED_STEPS = 1
 #: More whole steps timed where checkpointing is needed (with the heaviest block timed alone).
@@ -108,6 +110,8 @@ class _Planner:
         """Bytes of weights, buffers and optimizer state held when the room was read."""
         self.split = True
         """Micro-batches allowed (False: the largest-batch search's batch, computed at once)."""
+        self.misses: list[str] = []
+        """Plans measured over their prediction, with both numbers (for the notes)."""
 
     def _refuse_fixed(self, budget_bytes: int, estimated: int = 0) -> None:
         fixed = fixed_bytes(self.model, self.optimizer)
@@ -179,45 +183,80 @@ class _Planner:
         return {p: done[p] for p in self.wanted}
 
     def check(self, profiles: Mapping[str, Profile], result: Plan) -> Plan:
-        """Measure the plan; while it is over budget, re-plan under the budget less the excess."""
+        """Measure the plan; while it is over budget, re-plan under the budget less the excess
+        measured (never a budget invented on the way: See Note [a measured safety margin])."""
         # Note [a measured safety margin]
         # The step model assumes blocks are additive; where they are not (tensors held across
         # blocks, e.g. U-Net skips), the measured peak can exceed the prediction. That error,
-        # measured, becomes a safety margin, so the returned plan was seen to fit.
+        # measured, becomes a safety margin, so the returned plan was seen to fit: the re-plan
+        # searches the user's budget less the largest excess measured, and every plan measured
+        # over its prediction is in the notes with both numbers (a step model's miss, to
+        # report). A plan that runs out of memory when measured has no excess to measure: the
+        # re-plan then searches what the device's room holds now, if that is less.
         budget = result.budget_bytes
         margin, measured = 0, 0
         segments = True
         for _ in range(_CHECKS):
             with progress.phase(f"measuring the chosen plan (one tracked step at {result.precision})"):
-                measured, same_loss = self._measure_in_room(result, budget)
-            result.measured_peak_bytes = measured
+                measured, same_loss = self._measure_in_room(result)
+            if measured == _OUT_OF_MEMORY:
+                margin = max(margin, budget - self._room_left(result))
+            else:
+                result.measured_peak_bytes = measured
+                self._note_miss(result)
             if not same_loss:
                 self.measured.append(
                     "a segment changed the loss (a block's output is read elsewhere): no segments"
                 )
                 segments = False
-            elif measured <= budget:
+            elif 0 <= measured <= budget:
                 return result
-            else:
-                margin = max(measured - result.predicted_peak_bytes, margin + measured - budget)
+            elif measured > budget:
+                margin = max(margin, measured - result.predicted_peak_bytes)
             try:
                 result, profiles = self._tighter(profiles, result, (budget, margin), segments)
             except InfeasibleBudget as exc:
-                raise InfeasibleBudget(
-                    f"no plan fits the budget of {format_bytes(budget)}: the best plan measured "
-                    f"{format_bytes(measured)}, over its prediction, and a tighter plan does not exist "
-                    f"({exc}).",
-                    minimum_bytes=min(measured, exc.minimum_bytes + margin),
-                    budget_bytes=budget,
-                ) from None
+                raise _no_tighter(budget, measured, margin, exc) from None
             result.budget_bytes = budget
         # ``result`` is the tighter plan not yet measured: the message reports the last one measured
         raise InfeasibleBudget(
             f"no plan was measured under the budget of {format_bytes(budget)} after {_CHECKS} tries; the "
-            f"last measured {format_bytes(measured)}: raise the budget.",
-            minimum_bytes=measured,
+            f"last measured {format_bytes(max(0, measured))}: raise the budget.",
+            minimum_bytes=max(0, measured),
             budget_bytes=budget,
         )
+
+    def _note_miss(self, result: Plan) -> None:
+        """A plan measured over its prediction, in the notes with both numbers."""
+        over = result.measured_peak_bytes - result.predicted_peak_bytes
+        if over > 0:
+            modes = ", ".join(sorted(set(result.blocks.values())))
+            self.misses.append(
+                f"a plan ({modes}; {result.micro_batches} micro-batch(es)) "
+                f"measured {result.measured_peak_bytes:,} B, over its prediction of "
+                f"{result.predicted_peak_bytes:,} B by {over:,} B: the step model missed it (please report)"
+            )
+
+    def _room_left(self, result: Plan) -> int:
+        """What a step may hold now: the bytes held plus the device's room, read after ``result``
+        ran out of memory; refused where that is not below the plan's prediction (a re-plan
+        would choose it again)."""
+        r = room(model_device(self.model))
+        left = held_bytes(self.model, self.optimizer) + (r.usable if r is not None else 0)
+        where = f"{format_bytes(r.free)} ({r.source})" if r is not None else "unknown"
+        self.measured.append(
+            f"the chosen plan (predicted {format_bytes(result.predicted_peak_bytes)}) ran out of memory "
+            f"when measured; the device's room now: {where}"
+        )
+        if r is None or left >= result.predicted_peak_bytes:
+            raise InfeasibleBudget(
+                f"the chosen plan, predicted at {format_bytes(result.predicted_peak_bytes)}, ran out of "
+                f"memory when measured although the device has room for {format_bytes(left)} now: free "
+                "memory on the device or give a lower budget.",
+                minimum_bytes=result.predicted_peak_bytes,
+                budget_bytes=result.budget_bytes,
+            )
+        return left
 
     def _tighter(
         self, profiles: Mapping[str, Profile], result: Plan, budget: tuple[int, int], segments: bool
@@ -248,20 +287,16 @@ class _Planner:
                 continue
         raise first
 
-    def _measure_in_room(self, result: Plan, budget: int) -> tuple[int, bool]:
-        """:meth:`_measure`, where running out of memory reads as 10% over the budget (so the
-        re-plan is tighter) rather than an error."""
+    def _measure_in_room(self, result: Plan) -> tuple[int, bool]:
+        """:meth:`_measure`, where running out of memory reads as :data:`_OUT_OF_MEMORY` rather
+        than an error."""
         try:
             return self._measure(result)
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise
             uncheckpoint(self.model)
-            self.measured.append(
-                f"the chosen plan (predicted {format_bytes(result.predicted_peak_bytes)}) ran out of memory "
-                "when measured: planning again 10% tighter"
-            )
-            return budget + max(1, budget // 10), True
+            return _OUT_OF_MEMORY, True
 
     def _measure(self, result: Plan) -> tuple[int, bool]:
         """One tracked step of the applied plan; with segments, also whether the loss is unchanged."""
@@ -283,6 +318,24 @@ class _Planner:
         self.measured.append(f"1 tracked step of the chosen plan ({time.perf_counter() - started:.2f} s)")
         same = reference is None or abs(losses[0] - reference) <= 1e-4 * max(1.0, abs(reference))
         return watch.peak_bytes, same
+
+
+def _no_tighter(budget: int, measured: int, margin: int, exc: InfeasibleBudget) -> InfeasibleBudget:
+    """The refusal where no plan fits the budget less the excess measured: the user's budget,
+    what was measured, and what the re-plan searched (See Note [a measured safety margin])."""
+    what = (
+        f"the best plan measured {format_bytes(measured)}, over its prediction"
+        if measured >= 0
+        else "the best plan ran out of memory when measured"
+    )
+    return InfeasibleBudget(
+        f"no plan fits the budget of {format_bytes(budget)}: {what}, and no plan fits the budget less "
+        f"{format_bytes(margin)} ({format_bytes(budget - margin)}; {str(exc).rstrip('.')}).",
+        minimum_bytes=min(measured, exc.minimum_bytes + margin)
+        if measured >= 0
+        else exc.minimum_bytes + margin,
+        budget_bytes=budget,
+    )
 
 
 def _room_notes(r: Room | None, profiles: Mapping[str, Profile]) -> list[str]:
@@ -423,6 +476,7 @@ def _plan_batch(
         result.budget_bytes = planner.budget_bytes
         result.notes = (
             plan_notes(model, result, profs)
+            + planner.misses
             + _room_notes(planner.room, profs)
             + [f"lever {n} not used: {w}" for n, w in request.refused.items()]
         )
