@@ -133,6 +133,18 @@ def test_what_micro_batches_cost_is_fitted_to_the_block_run_in_them() -> None:
     assert micro_batch_ratio(sp, 4) == pytest.approx(1.2 + 2 * 1.2 / 6)
 
 
+def test_a_block_timed_on_one_of_several_micro_batches_prices_the_whole_batch() -> None:
+    """Where the plain step does not fit, whole steps (and so the block's inputs) are one of 4
+    micro-batches: the block in 2 more is 8 of the batch, and what 4 cost is inferred."""
+    prof = _profile(1.1)
+    sp = prof.speed
+    assert sp is not None
+    fit_prices(prof, "b0", {"none": [1.0] * 3, micro_label(2): [1.2] * 3}, split=4)
+    phi = 0.2 / (8 - 1 - 1.2 * 3)  # 1.2 = (1 + 7 phi) / (1 + 3 phi)
+    assert sp.micro_batches == [4, 8]
+    assert sp.micro_batch_ratios == pytest.approx([1 + 3 * phi, 1 + 7 * phi], rel=1e-5)
+
+
 class _Layer(nn.Module):
     def __init__(self) -> None:
         super().__init__()

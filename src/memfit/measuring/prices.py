@@ -185,10 +185,11 @@ def _monotone(ratios: list[float]) -> list[float]:
     return [round(statistics.mean(b), 12) for b in blocks for _ in b]
 
 
-def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]]) -> None:
+def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]], split: int = 1) -> None:
     """Record the block's seconds in each count of micro-batches over whole: the median of the
     steady rounds, at least :data:`LEAST_MICRO_RATIO`, made non-decreasing in the count; and
-    how far the rounds of what splitting adds spread (``Speed.micro_spread``).
+    how far the rounds spread (``Speed.micro_spread``). Where the block ran on one of
+    ``split`` micro-batches, its counts are of those (:func:`_from_split`).
 
     No prior pulls these: what splitting costs a model's kernels (a convolution on one image
     runs several times slower per image) is not in its counted ops.
@@ -197,15 +198,38 @@ def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]]) -> 
     sp = prof.speed
     assert sp is not None
     found = sorted((int(label[len(MICRO) :]), rs) for label, rs in ratios.items() if label.startswith(MICRO))
-    sp.micro_batches = [k for k, _ in found]
-    medians = [max(LEAST_MICRO_RATIO, statistics.median(steady(rs))) for _, rs in found]
-    sp.micro_batch_ratios = _monotone(medians)
+    medians = _monotone([max(LEAST_MICRO_RATIO, statistics.median(steady(rs))) for _, rs in found])
+    counts = [k for k, _ in found]
+    sp.micro_batches, sp.micro_batch_ratios = _from_split(counts, medians, split) if counts else ([], [])
     sp.micro_spread = max((spread_of(rs) for _, rs in found), default=0.0)
 
 
-def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]]) -> None:
+def _from_split(counts: list[int], ratios: list[float], split: int) -> tuple[list[int], list[float]]:
+    """Counts and ratios of the whole batch, from those of one of ``split`` micro-batches.
+
+    The block whole was itself one of ``split``: in ``m`` more it ran in ``split * m`` of the
+    batch. What ``split`` costs over the batch whole is not timed; it is taken linear in the
+    count, ``1 + (k - 1) * phi``, with ``phi`` (the median) making each measured ratio
+    ``(1 + (split * m - 1) * phi) / (1 + (split - 1) * phi)``.
+
+    Example:
+        >>> _from_split([2, 4], [1.5, 2.5], 1)
+        ([2, 4], [1.5, 2.5])
+        >>> _from_split([2], [1.5], 2)  # phi = 0.5 / (4 - 1 - 1.5): 1/3
+        ([2, 4], [1.333333, 2.0])
+    """
+    if split <= 1:
+        return counts, ratios
+    below = [(r - 1, split * m - 1 - r * (split - 1)) for m, r in zip(counts, ratios, strict=True)]
+    phi = statistics.median([a / b for a, b in below if a >= 0 and b > 0] or [1.0])  # b <= 0: phi unbounded
+    base = 1 + (split - 1) * phi
+    return [split, *(split * m for m in counts)], [round(base, 6), *(round(r * base, 6) for r in ratios)]
+
+
+def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]], split: int = 1) -> None:
     """Fit ``prof.speed``'s prices to block ``name``'s times alone, one list per mode with
-    the i-th entries taken side by side (See Note [prices that hold still]).
+    the i-th entries taken side by side (See Note [prices that hold still]); the block ran on
+    the inputs of one of ``split`` micro-batches (the whole steps were timed so).
 
     ``recompute_scale``: the full extra, less one checkpoint call, over the block's scaled
     forward. ``selective_op_seconds``: what the selective extra leaves after its counted
@@ -225,7 +249,7 @@ def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]]) -
         spreads.append(_fit_recompute(prof, block, ratios["full"]))
     if ratios.get("selective") and block.forward_ops:
         spreads.append(_fit_selective(prof, block, ratios["selective"]))
-    _fit_micro_batches(prof, ratios)
+    _fit_micro_batches(prof, ratios, split)
     sp.spread = min(1.0, max(spreads))
 
 
@@ -276,7 +300,7 @@ def fit_time_model(
         sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
         prof.speed = sp
         if times:
-            fit_prices(prof, timed_block, times)
+            fit_prices(prof, timed_block, times, steps.micro_batches)
         plain = _as_plain(prof, steps, *step)
     sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
     prof.step_seconds, sp.timed_as = plain[2], steps.described
