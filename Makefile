@@ -17,9 +17,24 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estim
 	tests/integrations/test_levers_frozen_peft.py tests/integrations/test_peft.py \
 	tests/integrations/test_peft_plan.py tests/integrations/test_peft_loops.py \
 	tests/integrations/test_peft_train.py tests/integrations/test_peft_refusals.py \
-	tests/integrations/test_order_zoo.py tests/checkpointing_ported/test_ported_transformers.py
+	tests/integrations/test_order_zoo.py tests/integrations/test_hf_checkpointing_spelling.py \
+	tests/checkpointing_ported/test_ported_transformers.py tests/test_docs_names.py
+# The newest releases a user gets today (requirements-newest.txt: torch 2.15.0, transformers 5.25.0,
+# accelerate 1.16.0, peft, torchao) in a third environment, and a small suite run there: checkpointing
+# exactness (saved-tensor hooks included), plan + prepare + train_step, estimate, the Hugging Face
+# Trainer (its activation_checkpointing spellings), peft and Lightning paths, memfit train on hf:
+# models. It stays small, so that make test's three suites fit 30 minutes on 2 cores. pip's cap on
+# torch on this machine (/etc/xdg/pip) is lifted for that one install by an empty constraints file.
+NEWEST_VENV ?= .venv-newest
+NEWEST_STAMP := $(NEWEST_VENV)/.memfit-installed
+NEWEST_TESTS := tests/test_checkpointing.py tests/test_checkpointing_inplace.py tests/test_checkpointing_hooks.py \
+	tests/test_loop.py tests/planning/test_plan_api.py tests/test_estimate.py \
+	tests/integrations/test_hf_trainer.py tests/integrations/test_hf_checkpointing_spelling.py \
+	tests/integrations/test_hf.py::test_huggingface_checkpointing_is_detected_not_doubled \
+	tests/integrations/test_hf.py::test_memfit_train_hf_config_name_and_local_directory \
+	tests/integrations/test_peft_loops.py
 
-.PHONY: demo test lint typecheck unit extras bench clean
+.PHONY: demo test lint typecheck unit extras newest bench clean
 
 $(STAMP): requirements-dev.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +48,16 @@ $(EXTRAS_STAMP): requirements-extras.txt pyproject.toml
 	$(EXTRAS_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e . || $(EXTRAS_VENV)/bin/python -m pip install --quiet --no-deps -e .
 	touch $(EXTRAS_STAMP)
 
+$(NEWEST_STAMP): requirements-newest.txt pyproject.toml
+	$(PYTHON) -m venv $(NEWEST_VENV)
+	PIP_CONSTRAINT=/dev/null $(NEWEST_VENV)/bin/python -m pip install --quiet --no-deps -r requirements-newest.txt
+	$(NEWEST_VENV)/bin/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(NEWEST_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/memfit demo $(ARGS)
 
-test: lint typecheck unit extras
+test: lint typecheck unit extras newest
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
@@ -52,8 +73,13 @@ unit: $(STAMP)
 extras: $(EXTRAS_STAMP)
 	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(EXTRAS_TESTS)
 
+# The newest-stack suite; its FutureWarnings are shown, none filtered (pyproject.toml fails memfit's own).
+newest: $(NEWEST_STAMP)
+	HF_HUB_OFFLINE=1 $(NEWEST_VENV)/bin/python -c "import torch, transformers; print('newest stack: torch', torch.__version__, 'transformers', transformers.__version__)"
+	HF_HUB_OFFLINE=1 $(NEWEST_VENV)/bin/pytest -q -p no:cacheprovider $(NEWEST_TESTS)
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_foundation.py
 
 clean:
-	rm -rf $(VENV) $(EXTRAS_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(EXTRAS_VENV) $(NEWEST_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -103,7 +103,7 @@ def main() -> None:
         blocks = len(plan.blocks)
         print(f"| {name} | {blocks} | {format_bytes(peak)} | {format_bytes(budget)} | {step:.3f} | "
               f"{seconds:.1f} | {seconds / step:.1f}x |", flush=True)  # fmt: skip
-        details.append((name, plan.measured))
+        details.append((name, plan.report.measured))
     for name, lines in details:
         print(f"\n{name}: where planning's time went")
         for line in lines:

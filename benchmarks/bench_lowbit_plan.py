@@ -22,6 +22,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch
 
 import memfit
+from memfit.applying import with_levers
 from memfit.measuring.memory import measure
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
@@ -31,7 +32,6 @@ from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.step import training_step
 from memfit.stepmodel import simulate
-from memfit.stepmodel.with_levers import with_levers
 
 FP32_SETS = (
     ["state_4bit", "chunked_loss"],

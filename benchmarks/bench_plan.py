@@ -268,7 +268,7 @@ def planning_time(name: str, runs: int) -> list[str]:
     plans = []
     for _ in range(runs):
         plans.append(memfit.plan(model, batch, loss_fn, "60%", opt))
-    secs = [p.planning_seconds for p in plans]
+    secs = [p.report.planning_seconds for p in plans]
     same = len({(str(p.blocks), str(p.segments), p.precision, p.micro_batches) for p in plans}) == 1
     print(
         f"| {title} | {step * 1e3:.0f} ms | {', '.join(f'{s:.1f}' for s in secs)} s | "

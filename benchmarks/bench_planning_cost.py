@@ -80,7 +80,7 @@ def run(name: str, args: argparse.Namespace) -> None:
                 case.model, case.batch, case.loss_fn, f"{args.budget:.0%}", case.optimizer, "fp32"
             )
             plans.append(json.dumps((p.blocks, p.segments, p.precision, p.micro_batches)))
-            seconds.append(p.planning_seconds)
+            seconds.append(p.report.planning_seconds)
         refused, why = _refusal(case, args.refuse)
     step = (before + _step_seconds(case, args.steps)) / 2
     goal = max(GOAL_STEPS * step, GOAL_SECONDS)
@@ -98,7 +98,7 @@ def run(name: str, args: argparse.Namespace) -> None:
     print(
         f"one plan over {args.calls} calls{' on a busy machine' if args.busy else ''}: {len(set(plans)) == 1}"
     )
-    print(f"last plan: {plans[-1]}\nwhere its time went:\n" + "\n".join(f"- {m}" for m in p.measured))
+    print(f"last plan: {plans[-1]}\nwhere its time went:\n" + "\n".join(f"- {m}" for m in p.report.measured))
 
 
 def main() -> None:

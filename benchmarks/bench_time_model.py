@@ -91,7 +91,7 @@ def _plans(name: str, model: str, budget: float) -> tuple[Case, Plan, list[Plan]
     planning = time.perf_counter() - started
     print(f"\n## {name}: {model} at {budget:.0%} of its plain fp32 peak ({base:,} B)")
     weighed = considered(
-        profiles, chosen.budget_bytes, chosen.baseline_peak_bytes, chosen.baseline_step_seconds
+        profiles, chosen.budget_bytes, chosen.report.baseline_peak_bytes, chosen.report.baseline_step_seconds
     )
     return case, chosen, weighed, planning
 
@@ -99,9 +99,10 @@ def _plans(name: str, model: str, budget: float) -> tuple[Case, Plan, list[Plan]
 def _row(plan: Plan, ts: list[float], plain: float, chosen: bool) -> str:
     med = statistics.median(ts)
     mark = " **chosen**" if chosen else ""
+    predicted = plan.report.predicted_step_seconds
     return (
-        f"| {_label(plan)}{mark} | {plan.predicted_peak_bytes:,} | {plan.predicted_step_seconds:.3f} | "
-        f"{med:.3f} ±{_spread(ts):.0%} | {med / plan.predicted_step_seconds:.2f} | {med / plain:.2f} |"
+        f"| {_label(plan)}{mark} | {plan.predicted_peak_bytes:,} | {predicted:.3f} | "
+        f"{med:.3f} ±{_spread(ts):.0%} | {med / predicted:.2f} | {med / plain:.2f} |"
     )
 
 
@@ -109,7 +110,7 @@ def _verdicts(plans: list[Plan], times: list[list[float]]) -> None:
     """Whether the chosen plan (first) is within :data:`WITHIN` of its prediction, and whether a
     plan weighed measured faster by more than both plans' rounds spread."""
     chosen, mine = plans[0], statistics.median(times[0])
-    off = abs(mine - chosen.predicted_step_seconds) / chosen.predicted_step_seconds
+    off = abs(mine - chosen.report.predicted_step_seconds) / chosen.report.predicted_step_seconds
     print(f"\nchosen plan measured within {off:.1%} of its prediction: {'yes' if off <= WITHIN else 'NO'}")
     slack = 1 + _spread(times[0])
     faster = [

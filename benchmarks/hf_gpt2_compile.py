@@ -47,7 +47,7 @@ def main() -> None:
     print(
         f"plan at {args.budget}: {counts}, segments {plan.segments}, {plan.micro_batches} micro-batch(es); "
         f"predicted {plan.predicted_peak_bytes:,} B, measured {plan.measured_peak_bytes:,} B, "
-        f"baseline {plan.baseline_peak_bytes:,} B; planning {planned:.1f} s"
+        f"baseline {plan.report.baseline_peak_bytes:,} B; planning {planned:.1f} s"
     )
     model, opt = memfit.prepare(model, opt, plan, compile=True)
     losses, times = [], []

@@ -17,7 +17,7 @@ import json
 import torch
 from rlimit import address_space, lift_address_space_limit, limit_address_space
 
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.measuring.profile import profile
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.planning.choose import plan_from_profiles

@@ -162,6 +162,18 @@ def run_shell(block: Block, folder: Path, env: dict[str, str], timeout: float = 
     return done.stdout
 
 
+#: What the clone's root holds before any block ran (fresh_clone), and where blocks write.
+CLONE = frozenset({"examples"})
+OUT = "memfit-out"
+
+
+def outside_out(folder: Path, before: frozenset[str] = CLONE) -> list[str]:
+    """What is in ``folder`` besides ``before`` and ``memfit-out/``: what a block left outside
+    the one folder the docs write into (issue 37: ``plan.json`` and ``state.pt`` in the root,
+    not ignored by git, broke the README's own ``memfit plan`` afterwards)."""
+    return sorted(p.name for p in folder.iterdir() if p.name not in before and p.name != OUT)
+
+
 def run_block(block: Block) -> None:
     """Run one block as a script (its own globals), named by its page and line in tracebacks."""
     exec(compile(block.code, f"{block.page}:{block.line}", "exec"), {"__name__": "__main__"})

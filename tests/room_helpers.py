@@ -90,8 +90,8 @@ def assert_planned_under_the_limit(name: str, result: dict[str, Any]) -> None:
     assert all(torch.isfinite(torch.tensor(result["losses"])))
     assert result["losses"][-1] < result["losses"][0]
     assert any("fake-tensor twin" in n and "RLIMIT_AS" in n for n in p.notes), p.notes
-    assert p.baseline_from == "fake tensors"
-    assert any("does not fit" in m for m in p.measured), p.measured
+    assert p.report.baseline_from == "fake tensors"
+    assert any("does not fit" in m for m in p.report.measured), p.report.measured
     measured = measured_unconstrained(name, p)
     assert measured <= p.budget_bytes
     assert abs(measured - p.predicted_peak_bytes) <= PREDICTION_RTOL * p.predicted_peak_bytes

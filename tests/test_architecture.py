@@ -10,8 +10,11 @@ mode names spelled out once (in memfit/vocab.py).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import re
 from pathlib import Path
+
+import pytest
 
 import memfit
 from memfit.vocab import CHECKPOINT_MODES, PRECISIONS
@@ -252,3 +255,69 @@ def test_precision_and_mode_names_are_spelled_out_once() -> None:
         if any(len(set(names)) >= 2 and set(names) <= vocab for vocab in vocabularies)
     ]
     assert spelled == []
+
+
+#: Methods that change a list or dict in place.
+_MUTATORS = {"append", "extend", "insert", "update", "pop", "clear", "setdefault", "remove", "sort"}
+
+
+def _plan_fields() -> set[str]:
+    from memfit.records import MadeFor, Plan, PlanReport
+
+    return {f.name for cls in (Plan, PlanReport, MadeFor) for f in dataclasses.fields(cls)}
+
+
+def _writes_to_plans(tree: ast.AST, fields: set[str]) -> list[int]:
+    """Lines that assign to, or change in place, an attribute named like a field of a plan or
+    its report (``x.notes = ...``, ``x.notes.append(...)``, ``x.blocks[k] = ...``)."""
+    lines = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for t in targets:
+            for part in ast.walk(t):
+                inner = part.value if isinstance(part, ast.Subscript) else part
+                if (
+                    isinstance(inner, ast.Attribute)
+                    and inner.attr in fields
+                    and isinstance(t, ast.Attribute | ast.Subscript | ast.Tuple)
+                ):
+                    lines.append(node.lineno)
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+        ):
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr in fields:
+                lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_nothing_in_planning_assigns_to_a_plan_or_its_report() -> None:
+    """A plan and its report are made whole (``dataclasses.replace`` makes a changed copy): no
+    module of the planning package assigns to, or changes in place, an attribute named like one
+    of their fields; and the records themselves refuse it."""
+    from memfit.records import Plan, PlanReport
+
+    fields = _plan_fields()
+    found = {
+        f"{mod}:{line}"
+        for mod, path in _modules().items()
+        if mod.startswith("memfit.planning")
+        for line in _writes_to_plans(ast.parse(path.read_text(encoding="utf-8")), fields)
+    }
+    assert found == set()
+    plan = Plan(blocks={})
+    for record, name in ((plan, "micro_batches"), (plan.report, "notes")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, name, 2)
+    assert PlanReport.__dataclass_params__.frozen  # type: ignore[attr-defined]
+
+
+def test_the_plan_writes_check_finds_a_write() -> None:
+    tree = ast.parse("p.notes.append('x')\nq.report = r\nz.blocks['a'] = 'full'\nok = p.notes\n")
+    assert _writes_to_plans(tree, {"notes", "report", "blocks"}) == [1, 2, 3]

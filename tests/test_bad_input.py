@@ -185,6 +185,14 @@ def test_a_plan_for_a_smaller_model_is_refused_by_check(
     line = _error(
         capsys, ["check", *TINY, "--set", "model.n_layer=3", "--plan", str(plan), "--out", str(tmp_path)]
     )
+    assert "the plan was made for another model: GPT with 10,816 parameters, this is GPT with 14,096" in line
+    # a plan.json of an older memfit (flat, no made_for) is refused by the blocks it leaves out
+    old = json.loads(plan.read_text())
+    flat = {**{k: v for k, v in old.items() if k not in ("report", "made_for")}, **old["report"]}
+    plan.write_text(json.dumps(flat))
+    line = _error(
+        capsys, ["check", *TINY, "--set", "model.n_layer=3", "--plan", str(plan), "--out", str(tmp_path)]
+    )
     assert "covers 2 of the 3 blocks" in line and "'blocks.2'" in line
 
 

@@ -138,7 +138,7 @@ def test_the_model_rng_and_optimizer_are_left_as_they_were() -> None:
 
 def test_unsupported_precision_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     no_fp16 = replace(device_facts("cpu"), fp16_runs=False, fp16_native=False)
-    monkeypatch.setattr("memfit.precision.device_facts", lambda device=None: no_fp16)
+    monkeypatch.setattr("memfit.precision.core.device_facts", lambda device=None: no_fp16)
     model = DropoutMLP(n_blocks=3)
     points = _by_name(
         memfit.bench(

@@ -16,7 +16,7 @@ from memfit.cli.common import zero_grads_note
 from memfit.cli.main import _parser, main
 from memfit.devices import DeviceFacts, recommendation_line, slow_precisions
 from memfit.errors import InfeasibleBudget
-from memfit.records import BenchPoint, EstimateEntry, Plan
+from memfit.records import BenchPoint, EstimateEntry, Plan, PlanReport
 from memfit.vocab import PRECISION_CHOICES, PRECISIONS
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -64,9 +64,12 @@ def test_the_top_level_names_are_lazy_and_all_there() -> None:
     from memfit import plan
 
     assert plan is memfit.plan and callable(plan)
-    importlib.import_module("memfit.apply")  # the module of the same name does not replace the function
+    importlib.import_module("memfit.applying.apply_plan")  # importing its module leaves the name as it is
 
-    assert callable(memfit.apply) and memfit.apply.__module__ == "memfit.apply"
+    assert callable(memfit.apply) and memfit.apply.__module__ == "memfit.applying.apply_plan"
+    # no top-level name is also a module or package of memfit (See Note [the lazy top level])
+    src = Path(memfit.__file__).parent
+    assert not [n for n in memfit.__all__ if (src / f"{n}.py").exists() or (src / n).is_dir()]
     assert set(memfit.__all__) <= set(dir(memfit))
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         memfit.nothing_here  # noqa: B018
@@ -111,6 +114,42 @@ def test_quiet_sets_memfit_quiet_while_the_command_runs(
     assert seen == ["1", None] and "MEMFIT_QUIET" not in os.environ
 
 
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        # Issue 37: the budget "5 potatoes" split in two by the shell is named as the budget
+        (["plan", "--budget", "5", "potatoes"], "cannot read --budget '5 potatoes': write bytes as"),
+        (["plan", "--budget", "5", "GiB"], "--budget '5 GiB' is two words on the command line, so 'GiB'"),
+        (["estimate", "--device-memory", "80", "GiB"], "--device-memory '80 GiB' is two words"),
+        (["plan", "--budget", "5", "missing.toml"], "config file 'missing.toml' does not exist; give"),
+        (["plan", "--budget", "60 potatoes"], "cannot read --budget '60 potatoes'"),
+        (["bench", "--budget", "150%"], "--budget '150%' is over 100% of the baseline peak"),
+        (["train", "missing.toml"], "config file 'missing.toml' does not exist"),
+        (["plan", "--out", "{file}/plan.json"], "is inside"),
+        (["demo", "--out", "{file}"], "is a file; give a directory"),
+    ],
+)
+def test_paths_budgets_and_out_are_checked_before_torch(argv: list[str], said: str, tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    returncode, err, modules = _imports([word.format(file=a_file) for word in argv])
+    assert returncode == 2, err
+    assert err.startswith(f"memfit {argv[0]}: error: ") and said in err, err
+    assert len(err.strip().splitlines()) == 1, err  # one sentence, no traceback
+    assert "memfit.cli.inputs" in modules  # the import profile was read
+    assert not {m for m in modules if m.split(".")[0] == "torch"}
+
+
+def test_the_budget_is_parsed_once_and_handed_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from memfit.budget import Budget
+
+    seen: list[object] = []
+    monkeypatch.setattr("memfit.cli.plan.check", lambda args: seen.append(args.budget))
+    monkeypatch.setattr("memfit.cli.plan.run", lambda args: seen.append(args.budget) or 0)
+    assert main(["plan", "--budget", "60%", "--out", str(tmp_path / "plan.json")]) == 0
+    assert seen == [Budget.parse("60%")] * 2 and seen[0] is seen[1]
+
+
 def _points(bf16_seconds: float) -> list[BenchPoint]:
     def point(precision: str, mode: str, peak: int, seconds: float) -> BenchPoint:
         return BenchPoint(
@@ -129,8 +168,13 @@ def _points(bf16_seconds: float) -> list[BenchPoint]:
 def test_bench_recommends_bf16_only_where_it_is_native_and_measured_faster() -> None:
     assert "fits is bf16/none" in bench_advice(_points(0.5), 60, _facts(native=True))
     emulated = bench_advice(_points(0.5), 60, _facts(native=False))
-    assert "fits is bf16" not in emulated and "no measured strategy fits" in emulated
-    assert "For memory only: bf16/none fits" in emulated and "bf16 is not native on cpu" in emulated
+    # Issue 37: what fits is named first (it was "no measured strategy fits", then bf16 "for memory only")
+    assert emulated.startswith(
+        "for a budget of 60 B (60 bytes), the fastest measured strategy that fits is bf16/none"
+    )
+    assert "bf16 is not native on cpu" in emulated and "it saves memory, not time" in emulated
+    assert "none of the strategies fast here fits (the smallest is fp32/full, peak 70 B)" in emulated
+    assert "no measured strategy fits" not in emulated
     slower = bench_advice(_points(9.19), 80, _facts(native=True))
     assert "fits is fp32/full" in slower and "bf16 measured 9.19x the step time of fp32/none" in slower
     assert "For memory only" not in slower  # fp32/full fits: bf16 is not named for memory
@@ -178,13 +222,13 @@ def test_speed_order_and_slow_precisions() -> None:
 def test_levers_left_out_for_want_of_torchao_name_the_install(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    from memfit.levers import spec
+    from memfit.applying import registry
 
-    monkeypatch.setattr(spec, "torchao_available", lambda: False)
-    hint = spec.missing_torchao_hint("all")
+    monkeypatch.setattr(registry, "torchao_available", lambda: False)
+    hint = registry.missing_torchao_hint("all")
     assert hint is not None and "`pip install 'memfit[levers]'` adds it" in hint
     assert hint.startswith("state_bf16, state_8bit, state_4bit and weights_bf16 were left out")
-    assert spec.missing_torchao_hint("fused_step") is None
+    assert registry.missing_torchao_hint("fused_step") is None
 
     def infeasible(*_a: object, **_k: object) -> Plan:
         raise InfeasibleBudget("no plan fits the budget of 1 B even with the levers fused_step.", 10, 1)
@@ -201,7 +245,8 @@ def test_levers_left_out_for_want_of_torchao_name_the_install(
 def test_demo_words() -> None:
     from memfit.cli.demo import _describe, _losses
 
-    plan = Plan(blocks={"b0": "full", "b1": "none"}, budget_bytes=60, baseline_peak_bytes=100)
+    report = PlanReport(budget_bytes=60, baseline_peak_bytes=100)
+    plan = Plan(blocks={"b0": "full", "b1": "none"}, report=report)
     assert "planned under 60 B (60% of the fp32 peak)" in _describe(plan)
     assert _losses(3, 0.0) == "over the first 3 steps the losses are identical"
     assert _losses(3, 0.25) == "over the first 3 steps the losses differ by at most 0.25"

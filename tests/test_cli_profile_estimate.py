@@ -41,8 +41,11 @@ def test_estimate_json_and_nothing_fits(capsys: pytest.CaptureFixture[str]) -> N
     smallest = min(e.peak_bytes for e in est.entries)
     assert {e.mode for e in est.entries} == {"none", "selective", "full"}
     assert main(["estimate", *TINY, "--precision", "bf16", "--device-memory", str(smallest - 1000)]) == 0
-    last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("nothing fits in") and "1000 B more" in last
+    verdict, levers = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert verdict.startswith("without levers, nothing fits in") and "1000 B more" in verdict
+    assert levers.startswith("smallest plan with levers") and levers.endswith(
+        "(memfit estimate --levers all)"
+    ), levers
 
 
 @pytest.mark.parametrize("value", ["--device-memory=-3GiB", "--device-memory=lots", "--device-memory=0"])

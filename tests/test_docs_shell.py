@@ -16,7 +16,17 @@ import shlex
 from pathlib import Path
 
 import pytest
-from readme_blocks import ROOT, SHELLS, Block, all_shell_blocks, commands, fresh_clone, pages, run_shell
+from readme_blocks import (
+    ROOT,
+    SHELLS,
+    Block,
+    all_shell_blocks,
+    commands,
+    fresh_clone,
+    outside_out,
+    pages,
+    run_shell,
+)
 
 BLOCKS = all_shell_blocks()
 SLOW = os.environ.get("MEMFIT_DOCS_SLOW", "") not in ("", "0")
@@ -69,3 +79,4 @@ def test_docs_shell_block_runs_as_pasted(block: Block, clone: tuple[Path, dict[s
         pytest.skip("marked slow: MEMFIT_DOCS_SLOW=1 runs it")
     folder, env = clone
     run_shell(block, folder, env)
+    assert outside_out(folder) == [], f"{block.id} writes outside memfit-out/"

@@ -283,7 +283,8 @@ def _cli(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
 
 def _one_line(done: subprocess.CompletedProcess[str]) -> str:
     assert done.returncode == 2, done.stderr
-    lines = done.stderr.strip().splitlines()
+    # progress lines ("memfit: ...": a busy machine's slow start says so) may come first
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("memfit: ")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     return lines[0]
 

@@ -10,15 +10,16 @@ import torch
 from torch.distributed._tools.common_utils import get_untyped_storages
 
 import memfit
+from memfit.applying import allowed_levers, apply, remove_levers, site_of
 from memfit.check.stability import check_stability
+from memfit.checkpointing import checkpointed_blocks
 from memfit.errors import ConfigError, LeverRefused
-from memfit.levers import apply_levers, fused_step_of, lever_optimizer, remove_levers
-from memfit.levers import spec as lever_spec
+from memfit.levers import fused_step_of, lever_optimizer, needs
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
-from memfit.stepmodel.with_levers import state_bytes
+from memfit.stepmodel.state_bytes import state_bytes
 
 torchao = pytest.importorskip("torchao")
 
@@ -51,7 +52,7 @@ def test_fused_step_gives_the_unfused_weights(
             memfit.checkpoint(model, mode=checkpointing)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         if fused:
-            opt = apply_levers(model, opt, Plan(blocks={}, levers=["fused_step"]))
+            opt = apply(model, Plan(blocks=checkpointed_blocks(model), levers=["fused_step"]), opt).optimizer
             assert fused_step_of(opt) is not None
         norms = []
         for batch in _batches(10):
@@ -118,28 +119,27 @@ def test_levers_are_refused_with_one_sentence(monkeypatch: pytest.MonkeyPatch) -
     model = _gpt(1)
     opt = torch.optim.AdamW(model.parameters())
     with pytest.raises(LeverRefused, match="CUDA only"):
-        apply_levers(model, opt, Plan(blocks={}, levers=["offload"]))
+        apply(model, Plan(blocks={}, levers=["offload"]), opt)
     with pytest.raises(LeverRefused, match="fp16"):
-        apply_levers(model, opt, Plan(blocks={}, precision="fp16", levers=["fused_step"]))
+        apply(model, Plan(blocks={}, precision="fp16", levers=["fused_step"]), opt)
     with pytest.raises(LeverRefused, match="bf16"):
-        apply_levers(model, opt, Plan(blocks={}, precision="fp32", levers=["weights_bf16"]))
+        apply(model, Plan(blocks={}, precision="fp32", levers=["weights_bf16"]), opt)
     with pytest.raises(LeverRefused, match="SGD"):
-        apply_levers(
-            model, torch.optim.SGD(model.parameters(), lr=0.1), Plan(blocks={}, levers=["state_8bit"])
-        )
+        apply(model, Plan(blocks={}, levers=["state_8bit"]), torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ConfigError, match="unknown lever"):
         memfit.plan(model, _batches(1)[0], gpt_loss, "90%", opt, levers=["state_2bit"])
     two = _gpt(2)
     memfit.checkpoint(two, mode="selective")
-    fused = apply_levers(two, torch.optim.AdamW(two.parameters()), Plan(blocks={}, levers=["fused_step"]))
+    plan = Plan(blocks=checkpointed_blocks(two), levers=["fused_step"])
+    fused = apply(two, plan, torch.optim.AdamW(two.parameters())).optimizer
     with pytest.raises(LeverRefused, match="selective checkpointing allows once"):
         training_step(two, _batches(1)[0], gpt_loss, fused, Precision("fp32"), 1, 1.0)
     # NOTE: without torchao the library still imports and plans; the state levers say what to install
-    monkeypatch.setattr(lever_spec.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(needs.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(LeverRefused, match="pip install torchao"):
-        apply_levers(model, opt, Plan(blocks={}, levers=["state_8bit"]))
+        apply(model, Plan(blocks={}, levers=["state_8bit"]), opt)
     # chunked_loss needs no torchao (judged on the model when there is one)
-    assert lever_spec.allowed_levers("all", device="cpu", optimizer=opt, precision="fp32")[0] == [
+    assert allowed_levers("all", site_of("cpu", opt, "fp32"))[0] == [
         "fused_step",
         "chunked_loss",
     ]
@@ -211,7 +211,8 @@ def test_plan_uses_levers_only_when_asked_and_says_what_each_saves() -> None:
         memfit.plan(model, batch, gpt_loss, "35%", opt, precision="fp32", profiles=profiles)
     lever = memfit.plan(model, batch, gpt_loss, "35%", opt, precision="fp32", profiles=profiles, levers="all")
     assert lever.levers and "offload" not in lever.levers
-    assert set(lever.lever_savings) == set(lever.levers) and all(v > 0 for v in lever.lever_savings.values())
+    savings = lever.report.lever_savings
+    assert set(savings) == set(lever.levers) and all(v > 0 for v in savings.values())
     assert lever.measured_peak_bytes <= lever.budget_bytes
     assert math.isclose(lever.predicted_peak_bytes, lever.measured_peak_bytes, rel_tol=0.05)
     assert any("offload" in n for n in lever.notes)  # "all" on a CPU: offload not used, and why
@@ -267,9 +268,9 @@ def test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients() -> None:
     peaks, grads = {}, {}
     for name, plan in (
         ("plain", Plan(blocks={})),
-        ("offload", Plan(blocks={}, levers=["offload"], offload=blocks)),
+        ("offload", Plan(blocks={}, levers=["offload"], lever_settings={"offload": {"blocks": blocks}})),
     ):
-        opt = apply_levers(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+        opt = apply(model, plan, torch.optim.AdamW(model.parameters(), lr=1e-3)).optimizer
         with MemoryWatch(model, opt) as watch:
             model.zero_grad(set_to_none=True)
             gpt_loss(model, (x, x)).backward()

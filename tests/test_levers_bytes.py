@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.levers import apply_levers, remove_levers
+from memfit.applying import apply, remove_levers, with_levers
 from memfit.levers.weights import cast_weights
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
@@ -28,7 +28,6 @@ from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
 from memfit.stepmodel import simulate
-from memfit.stepmodel.with_levers import with_levers
 
 pytest.importorskip("torchao")
 
@@ -74,8 +73,7 @@ def test_all_cpu_levers_and_full_checkpointing_reach_a_quarter_of_the_fp32_peak(
     predicted = simulate(with_levers(profile, LEVERS), "full").peak_bytes
 
     plan = Plan(blocks=dict.fromkeys(blocks, "full"), precision="bf16", levers=LEVERS)
-    memfit.apply(model, plan)
-    lever_opt = apply_levers(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+    lever_opt = apply(model, plan, torch.optim.AdamW(model.parameters(), lr=1e-3)).optimizer
     watch = _tracked(model, batch, lever_opt, bf16)
     remove_levers(model, lever_opt)
     measured = watch.peak_bytes

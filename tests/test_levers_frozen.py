@@ -16,15 +16,13 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.applying import Site, allowed_levers, apply, lever, site_of, with_levers
 from memfit.errors import LeverRefused
-from memfit.levers import allowed_levers, apply_levers
-from memfit.levers import spec as lever_spec
 from memfit.levers.frozen import frozen_params, is_nf4, nf4_linears
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.models.llama import llama
 from memfit.records import Plan
 from memfit.stepmodel import simulate
-from memfit.stepmodel.with_levers import with_levers
 
 pytest.importorskip("torchao")
 
@@ -120,14 +118,14 @@ def test_frozen_bf16_casts_only_frozen_weights_in_place() -> None:
 def test_refused_without_frozen_weights_at_fp32_and_without_torchao(monkeypatch) -> None:
     spec = llama(preset="tiny")
     opt = _adamw(spec.model)
-    kept, refused = allowed_levers("all", device="cpu", optimizer=opt, precision="bf16", model=spec.model)
+    kept, refused = allowed_levers("all", site_of("cpu", opt, "bf16", spec.model))
     assert "frozen_bf16" not in kept and "frozen_nf4" not in kept
     assert "requires_grad=False" in refused["frozen_bf16"] and "nn.Linear" in refused["frozen_nf4"]
     with pytest.raises(LeverRefused, match="freeze the base"):
         memfit.prepare(spec.model, opt, Plan(blocks={}, precision="bf16", levers=["frozen_nf4"]))
     _, model = _lora_llama()
     with pytest.raises(LeverRefused, match="use bf16"):
-        apply_levers(model, _adamw(model), Plan(blocks={}, precision="fp32", levers=["frozen_bf16"]))
+        apply(model, Plan(blocks={}, precision="fp32", levers=["frozen_bf16"]), _adamw(model))
     # without torchao: one sentence naming the command, and nothing applied (not even frozen_bf16)
     before = {n: (p.dtype, type(p.data)) for n, p in model.named_parameters()}
     real = importlib.util.find_spec
@@ -135,14 +133,10 @@ def test_refused_without_frozen_weights_at_fp32_and_without_torchao(monkeypatch)
         importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a)
     )
     with pytest.raises(LeverRefused, match="pip install torchao") as info:
-        apply_levers(
-            model, _adamw(model), Plan(blocks={}, precision="bf16", levers=["frozen_bf16", "frozen_nf4"])
-        )
+        apply(model, Plan(blocks={}, precision="bf16", levers=["frozen_bf16", "frozen_nf4"]), _adamw(model))
     assert str(info.value).count(".") <= 3 and "frozen_nf4" in str(info.value)
     assert {n: (p.dtype, type(p.data)) for n, p in model.named_parameters()} == before
-    assert (
-        lever_spec.refusal("frozen_nf4", device="cpu", optimizer_name="AdamW", precision="bf16") is not None
-    )
+    assert lever("frozen_nf4").refusal(Site(torch.device("cpu"), "AdamW", "bf16")) is not None
 
 
 @pytest.mark.parametrize("levers", [["frozen_bf16"], ["frozen_nf4"], ["frozen_bf16", "frozen_nf4"]])
@@ -239,7 +233,7 @@ def test_estimate_counts_the_frozen_levers_on_a_fake_model() -> None:
     best = smallest_with_levers(est.profiles, ["frozen_bf16", "frozen_nf4"])
     assert best is not None and "frozen_nf4" in best.levers and best.peak_bytes < plain
     # NF4 cannot run under fp16 autocast: refused there, never predicted there
-    why = lever_spec.refusal("frozen_nf4", device="cpu", optimizer_name="AdamW", precision="fp16")
+    why = lever("frozen_nf4").refusal(Site(torch.device("cpu"), "AdamW", "fp16"))
     assert why is not None and "use bf16 or fp32" in why
     assert best.precision != "fp16"
 

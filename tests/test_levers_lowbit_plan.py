@@ -14,16 +14,17 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.applying import with_levers
 from memfit.checkpointing.compile import eager
 from memfit.levers.fused import FusedStep
-from memfit.levers.spec import torchao_available
+from memfit.levers.needs import torchao_available
 from memfit.levers.weights import cast_weights
 from memfit.measuring.lever_facts import lever_facts
 from memfit.measuring.memory import measure
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.records import BlockStats, Profile
-from memfit.stepmodel.with_levers import EAGER_STEP_SLICE_ELEMENTS, with_levers
+from memfit.stepmodel.state_bytes import EAGER_STEP_SLICE_ELEMENTS
 
 pytestmark = pytest.mark.skipif(not torchao_available(), reason="torchao (memfit[levers]) not installed")
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from memfit.levers.spec import torchao_available
-from memfit.stepmodel import with_levers
+from memfit.levers.needs import torchao_available
+from memfit.stepmodel import state_bytes
 
 pytestmark = pytest.mark.skipif(not torchao_available(), reason="torchao (memfit[levers]) not installed")
 
@@ -36,8 +36,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad: torch.Tensor
     from memfit.checkpointing.compile import eager
 
     model.weight.grad = grad.clone()
-    old, with_levers.STEP_SLICE_ELEMENTS = with_levers.STEP_SLICE_ELEMENTS, size
-    old_eager, with_levers.EAGER_STEP_SLICE_ELEMENTS = with_levers.EAGER_STEP_SLICE_ELEMENTS, size
+    old, state_bytes.STEP_SLICE_ELEMENTS = state_bytes.STEP_SLICE_ELEMENTS, size
+    old_eager, state_bytes.EAGER_STEP_SLICE_ELEMENTS = state_bytes.EAGER_STEP_SLICE_ELEMENTS, size
     tracker = MemTracker()
     tracker.track_external(model, opt)
     try:
@@ -46,8 +46,8 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, grad: torch.Tensor
             opt.step()
         peak = sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     finally:
-        with_levers.STEP_SLICE_ELEMENTS = old
-        with_levers.EAGER_STEP_SLICE_ELEMENTS = old_eager
+        state_bytes.STEP_SLICE_ELEMENTS = old
+        state_bytes.EAGER_STEP_SLICE_ELEMENTS = old_eager
     return peak - before
 
 
@@ -69,14 +69,14 @@ def test_sliced_step_equals_the_whole_step_with_one_slice_of_temporaries(kind: s
 
 
 def test_step_model_predicts_one_slice_of_temporaries() -> None:
-    size = with_levers.STEP_SLICE_ELEMENTS
-    assert with_levers.step_slice_numel(10 * size, "4bit") == size
-    assert with_levers.step_slice_numel(10 * size, "orig") == 10 * size
-    assert with_levers.step_slice_numel(100, "8bit") == 100
-    eager = with_levers.EAGER_STEP_SLICE_ELEMENTS
+    size = state_bytes.STEP_SLICE_ELEMENTS
+    assert state_bytes.step_slice_numel(10 * size, "4bit") == size
+    assert state_bytes.step_slice_numel(10 * size, "orig") == 10 * size
+    assert state_bytes.step_slice_numel(100, "8bit") == 100
+    eager = state_bytes.EAGER_STEP_SLICE_ELEMENTS
     assert eager < size
-    assert with_levers.step_slice_numel(10 * size, "4bit", eager=True) == eager
-    assert with_levers.step_slice_numel(10 * size, "orig", eager=True) == 10 * size
+    assert state_bytes.step_slice_numel(10 * size, "4bit", eager=True) == eager
+    assert state_bytes.step_slice_numel(10 * size, "orig", eager=True) == 10 * size
 
 
 def test_the_step_knows_how_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:

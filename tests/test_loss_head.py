@@ -7,11 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.applying import allowed_levers, apply, remove_levers, site_of
 from memfit.errors import ConfigError, LeverRefused
-from memfit.levers import apply_levers, remove_levers
 from memfit.levers.head import chunked_head_of, head_refusal
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
-from memfit.levers.spec import allowed_levers
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.llama import llama
@@ -153,7 +152,7 @@ def test_lever_on_builtin_models_gives_the_plain_loss_and_gradients(name: str) -
     model, batch = _builtin(name)
     ref_loss, ref_grads = _loss_and_grads(model, batch)
     opt = torch.optim.AdamW(model.parameters())
-    assert apply_levers(model, opt, Plan(blocks={}, levers=["chunked_loss"])) is opt
+    assert apply(model, Plan(blocks={}, levers=["chunked_loss"]), opt).optimizer is opt
     assert chunked_head_of(model) == 8388  # 2**23 // 1000 tokens per chunk
     model.loss_chunk_tokens = 5  # several chunks at this small batch
     loss, grads = _loss_and_grads(model, batch)
@@ -169,7 +168,7 @@ def test_lever_is_refused_on_a_model_without_a_known_head() -> None:
     seq = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10))
     why = head_refusal(seq)
     assert why is not None and "Sequential" in why and "linear_cross_entropy" in why
-    kept, refused = allowed_levers("all", device="cpu", optimizer=None, precision="fp32", model=seq)
+    kept, refused = allowed_levers("all", site_of("cpu", None, "fp32", seq))
     assert "chunked_loss" not in kept and refused["chunked_loss"] == why
     with pytest.raises(LeverRefused, match="Sequential"):
-        apply_levers(seq, torch.optim.SGD(seq.parameters()), Plan(blocks={}, levers=["chunked_loss"]))
+        apply(seq, Plan(blocks={}, levers=["chunked_loss"]), torch.optim.SGD(seq.parameters()))

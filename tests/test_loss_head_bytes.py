@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.levers import apply_levers, remove_levers
+from memfit.applying import apply, remove_levers, with_levers
 from memfit.measuring.lever_facts import attach_lever_facts, head_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
@@ -26,7 +26,6 @@ from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import training_step
 from memfit.stepmodel import simulate
-from memfit.stepmodel.with_levers import with_levers
 
 VOCAB = 16384
 
@@ -45,7 +44,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -> tuple[int, torch.Tensor]:
     with preserved(model, opt):
-        used = apply_levers(model, opt, plan)
+        used = apply(model, plan, opt).optimizer
         create_optimizer_state(model, used)
         with MemoryWatch(model, used) as watch:
             loss = training_step(model, batch, gpt_loss, used, Precision("fp32"), plan.micro_batches).loss

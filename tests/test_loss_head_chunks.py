@@ -14,22 +14,21 @@ import torch
 from torch import nn
 
 import memfit
+from memfit.applying import apply, remove_levers, with_levers
+from memfit.applying.chunked_loss import CHUNKED_LOSS
 from memfit.errors import ConfigError
-from memfit.levers import apply_levers, remove_levers
 from memfit.levers.head import chunked_head_of, find_head
 from memfit.measuring.lever_facts import attach_lever_facts, head_cost
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
-from memfit.planning.lever_sets import head_chunk_ladder
 from memfit.precision import Precision
 from memfit.records import Plan, Profile
 from memfit.report.memory_tables import head_table
 from memfit.step import training_step
 from memfit.stepmodel import simulate
 from memfit.stepmodel.head_chunks import at_chunk, chunk_ladder, head_cost_at
-from memfit.stepmodel.with_levers import with_levers
 
 VOCAB = 16384
 FP32_TOL = {"rtol": 1e-4, "atol": 1e-6}
@@ -52,11 +51,16 @@ def _profile(model: nn.Module, batch, opt: torch.optim.Optimizer) -> Profile:
         return attach_lever_facts(profiler.result(), model, opt, memfit.find_blocks(model), (batch, gpt_loss))
 
 
+def _ladder(profiles: dict[str, Profile]) -> list[int]:
+    """The chunks the planner tries: the chunked_loss lever's settings, largest first."""
+    return [int(s["chunk_tokens"]) for s in CHUNKED_LOSS.settings(profiles)]
+
+
 def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -> int:
     with preserved(model, opt):
-        used = apply_levers(model, opt, plan)
-        if plan.loss_chunk_tokens:
-            assert chunked_head_of(model) == plan.loss_chunk_tokens
+        used = apply(model, plan, opt).optimizer
+        if plan.setting("chunked_loss", "chunk_tokens"):
+            assert chunked_head_of(model) == plan.setting("chunked_loss", "chunk_tokens")
         create_optimizer_state(model, used)
         with MemoryWatch(model, used) as watch:
             training_step(model, batch, gpt_loss, used, Precision("fp32"), plan.micro_batches)
@@ -73,7 +77,7 @@ def test_head_facts_measure_the_ladders_ends() -> None:
     assert head.chunk_tokens == 512 and head.default_chunk_tokens == 384
     assert chunk_ladder(384) == [384, 96, 24, 6, 1] and head.small_chunk_tokens == 1
     assert head.small_cost.forward_peak_bytes < head.default_cost.forward_peak_bytes
-    assert head_chunk_ladder({"fp32": _profile(model, batch, opt)}) == [512, 96, 24, 6, 1]
+    assert _ladder({"fp32": _profile(model, batch, opt)}) == [512, 96, 24, 6, 1]
 
 
 @pytest.mark.parametrize("chunk", [96, 24])
@@ -105,7 +109,8 @@ def test_the_step_at_a_third_chunk_size_is_predicted_within_5_percent(chunk: int
     model, batch = _gpt(), _batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     profile = _profile(model, batch, opt)
-    plan = Plan(blocks={}, micro_batches=micro_batches, levers=["chunked_loss"], loss_chunk_tokens=chunk)
+    settings = {"chunked_loss": {"chunk_tokens": chunk}}
+    plan = Plan(blocks={}, micro_batches=micro_batches, levers=["chunked_loss"], lever_settings=settings)
     measured = _measured(model, batch, opt, plan)
     default = _measured(
         model, batch, opt, Plan(blocks={}, micro_batches=micro_batches, levers=["chunked_loss"])
@@ -137,7 +142,7 @@ def test_a_budget_between_the_default_and_a_smaller_chunk_chooses_the_smaller_ch
     profile = memfit.profile(model, batch, gpt_loss, opt, "fp32", repeats=1)  # every mode
     with preserved(model, opt):
         attach_lever_facts(profile, model, opt, memfit.find_blocks(model), (batch, gpt_loss))
-    assert head_chunk_ladder({"fp32": profile}) == [512, 128, 32, 8, 2]
+    assert _ladder({"fp32": profile}) == [512, 128, 32, 8, 2]
     smallest_default = simulate(with_levers(profile, ["chunked_loss"]), "full").peak_bytes
     at_128 = simulate(with_levers(at_chunk(profile, 128), ["chunked_loss"]), "none").peak_bytes
     assert at_128 < smallest_default
@@ -146,10 +151,11 @@ def test_a_budget_between_the_default_and_a_smaller_chunk_chooses_the_smaller_ch
     note = next(n for n in plan.notes if n.startswith("chunked_loss:"))
     print(
         f"default-chunk minimum {smallest_default:,} B, 128-token chunk {at_128:,} B, budget {budget:,} B: "
-        f"plan {plan.levers} chunk {plan.loss_chunk_tokens} predicted {plan.predicted_peak_bytes:,} B "
+        f"plan {plan.levers} chunk {plan.setting('chunked_loss', 'chunk_tokens')} "
+        f"predicted {plan.predicted_peak_bytes:,} B "
         f"measured {plan.measured_peak_bytes:,} B; {note}"
     )
-    assert plan.levers == ["chunked_loss"] and plan.loss_chunk_tokens == 128
+    assert plan.levers == ["chunked_loss"] and plan.setting("chunked_loss", "chunk_tokens") == 128
     assert "chunks of 128 tokens, chosen because at the default 512 tokens" in note
     assert Plan.from_json(plan.to_json()) == plan
 
@@ -178,19 +184,20 @@ def test_a_small_head_is_not_chunked_when_a_plan_without_it_fits() -> None:
         print(
             f"small head: plain {plain:,} B, budget {budget:,} B: levers {plan.levers}, modes {plan.blocks}"
         )
-        assert plan.levers == [] and plan.loss_chunk_tokens == 0
+        assert plan.levers == [] and plan.setting("chunked_loss", "chunk_tokens") == 0
 
 
-def test_the_plans_chunk_round_trips_and_bad_chunks_are_refused() -> None:
-    plan = Plan(blocks={"b": "full"}, levers=["chunked_loss"], loss_chunk_tokens=96)
+def test_the_plans_chunk_round_trips_and_older_plans_read() -> None:
+    settings = {"chunked_loss": {"chunk_tokens": 96}}
+    plan = Plan(blocks={"b": "full"}, levers=["chunked_loss"], lever_settings=settings)
     back = Plan.from_json(plan.to_json())
-    assert back.loss_chunk_tokens == 96 and back == plan
-    assert Plan.from_dict({"blocks": {}}).loss_chunk_tokens == 0  # older plans: the default
+    assert back.setting("chunked_loss", "chunk_tokens") == 96 and back == plan
+    assert Plan.from_dict({"blocks": {}}).setting("chunked_loss", "chunk_tokens") == 0  # the default
+    # a plan.json written before the report was apart: the chunk was a field of its own
+    flat = {"blocks": {"b": "full"}, "levers": ["chunked_loss"], "loss_chunk_tokens": 96, "budget_bytes": 5}
+    assert Plan.from_dict(flat) == plan and Plan.from_dict(flat).budget_bytes == 5
     with pytest.raises(ConfigError, match="does not list the 'chunked_loss' lever"):
-        Plan(blocks={}, loss_chunk_tokens=96)
-    for bad in (-1, True, 2.5):
-        with pytest.raises(ConfigError, match="loss_chunk_tokens must be a whole number"):
-            Plan(blocks={}, levers=["chunked_loss"], loss_chunk_tokens=bad)  # type: ignore[arg-type]
+        Plan(blocks={}, lever_settings={"chunked_loss": {"chunk_tokens": 96}})
 
 
 def test_the_head_table_shows_the_smaller_chunks() -> None:

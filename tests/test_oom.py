@@ -20,7 +20,7 @@ from conftest import tiny_gpt
 from oom_faults import KeptBytesLimit
 
 from memfit.app.data import BatchSampler, ByteCorpus
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.checkpointing import checkpointed_blocks
 from memfit.cli.main import main
 from memfit.errors import OutOfMemory

@@ -107,3 +107,45 @@ def test_loss_plot_keeps_labels_short_and_the_legend_beside_the_curves(close: li
     assert labels == ["memfit", "baseline", "train", "validation"], labels
     assert _outside(fig)
     assert any("keep 2 of 4 blocks" in t.get_text() for t in fig.texts), "the run's details are gone"
+
+
+def test_loss_plot_names_the_raw_line_under_the_smoothed_one(close: list[Any]) -> None:
+    """Issue 37: loss.png drew each step's loss faintly under the smoothed line, unnamed."""
+    runs = {"memfit": [StepMetrics(step=i, loss=5 - i / 100 + (i % 3) / 10) for i in range(1, 61)]}
+    fig = loss_figure(runs)
+    close.append(fig)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert labels == ["memfit", "train (smoothed)", "train (each step)"], labels
+    raw, smooth = fig.axes[0].lines[:2]
+    assert list(raw.get_ydata()) == [m.loss for m in runs["memfit"]]
+    assert raw.get_alpha() < 1 and smooth.get_alpha() is None  # faint under the smoothed line
+
+
+def test_check_plot_shows_each_precision_where_they_coincide(tmp_path: Any, close: list[Any]) -> None:
+    """Issue 37: bf16 and fp16 drawn plain on fp32 hid each other; each has its own dashes and marker."""
+    from memfit.records import PrecisionCheck, RunCurve, StabilityReport
+    from memfit.report.check_report import plot_check
+
+    losses: list[float | None] = [5.0 - i / 10 for i in range(30)]
+
+    def curve(name: str, precision: str, shift: float = 0.0) -> RunCurve:
+        return RunCurve(name, precision, [v + shift for v in losses if v is not None], scales=[1.0] * 30)
+
+    checks = {p: PrecisionCheck(p, "PASS", [], curve(p, p)) for p in ("bf16", "fp16")}
+    report = StabilityReport("PASS", checks, curve("fp32", "fp32"), curve("noise", "fp32", 0.05), 0.05)
+    saved: list[Any] = []
+    original = plt.Figure.savefig
+
+    def keep(fig: Any, *args: Any, **kwargs: Any) -> None:
+        saved.append(fig)
+        original(fig, *args, **kwargs)
+
+    plt.Figure.savefig = keep  # type: ignore[method-assign]
+    try:
+        plot_check(report, tmp_path / "check.png")
+    finally:
+        plt.Figure.savefig = original  # type: ignore[method-assign]
+    lines = {ln.get_label(): ln for ln in saved[0].axes[0].lines}
+    drawn = ["fp32", "bf16 (PASS)", "fp16 (PASS)"]
+    looks = {(lines[k].get_linestyle(), lines[k].get_marker(), lines[k].get_linewidth()) for k in drawn}
+    assert len(looks) == 3, looks  # three lines on top of each other, each still seen

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_gpt, token_batch
 from torch import nn
 
-import memfit.precision as precision_module
+import memfit.precision.core as precision_module
 from memfit import Precision
 from memfit.devices import device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
@@ -129,3 +129,23 @@ def test_fp32_modules_compose_with_checkpointing() -> None:
 def test_unknown_fp32_module_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="did you mean 'head'"):
         Precision("bf16", device="cpu", fp32_modules=["haed"]).attach(_Net())
+
+
+def test_each_precision_is_one_object_listed_once() -> None:
+    """The registry holds vocab's precisions in its order, and each kind owns its autocast, its
+    scaler and its step (fp16 alone scales the loss; fp32's autocast is a no-op context)."""
+    from memfit.precision import PRECISION_KINDS
+    from memfit.vocab import PRECISIONS
+
+    assert tuple(PRECISION_KINDS) == PRECISIONS
+    assert [k.name for k in PRECISION_KINDS.values() if k.loss_scaled] == ["fp16"]
+    for name, kind in PRECISION_KINDS.items():
+        p = Precision(name, device="cpu")
+        assert p.kind is kind and p.dtype == kind.dtype and p.scaler.is_enabled() == kind.loss_scaled
+        lin = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+        with p.autocast():
+            loss = lin(torch.ones(2, 4)).float().sum() * 1e-3  # no fp16 overflow at the first scale
+        p.backward(loss)
+        before = lin.weight.detach().clone()
+        assert p.optimizer_step(opt) is False and not torch.equal(before, lin.weight)

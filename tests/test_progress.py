@@ -6,6 +6,7 @@ Every test writes to a fake stream and reads time from a fake clock: nothing sle
 from __future__ import annotations
 
 import io
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -210,3 +211,43 @@ def test_phases_from_threads(clock: FakeClock) -> None:
         t.join()
     assert len(_lines(log)) == 200 and all(line.startswith("memfit: thread ") for line in _lines(log))
     assert progress._stack == []
+
+
+def test_a_first_compiled_step_is_not_timed(clock: FakeClock) -> None:
+    """Issue 37: after a first step that compiled for 51 s, the time left was 16 minutes."""
+    log = _log(clock)
+    with progress.phase("training", total=4) as ph:
+        clock.now += 51.0
+        ph.advance(1, "loss 5.4", timed=False)  # its line at once, without a time left
+        clock.now += 1.0
+        ph.advance(1, "loss 5.3")  # 1 s after the last line: none
+        clock.now += 1.0
+        ph.advance(1, "loss 5.2")  # 2 timed steps in 2 s: 1 s for the one left
+    assert _lines(log)[:3] == [
+        "memfit: training: 0/4",
+        "memfit: training: 1/4 (loss 5.4)",
+        "memfit: training: 3/4 (loss 5.2), about 1.0 s left",
+    ]
+
+
+def test_a_phase_that_waits_long_says_so_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 37: no command silent for more than 10 s. A phase with nothing to count (a
+    compilation) and a counted one stuck on a long step both repeat their line meanwhile."""
+    monkeypatch.setattr(progress, "WAITING_INTERVAL", 0.05)
+    log = FakeStream(tty=False)
+    progress.configure(quiet=False, stream=log)
+    done = threading.Event()
+    with progress.waiting("compiling GPT"):
+        done.wait(2.5)  # the heartbeat (which looks every second at most) writes meanwhile
+    with progress.phase("bench", total=3) as ph:
+        ph.advance(1, "fp32/none")
+        done.wait(2.5)
+    lines = _lines(log)
+    compiling = [ln for ln in lines if ln.startswith("memfit: compiling GPT")]
+    assert compiling[0] == "memfit: compiling GPT" and len(compiling) >= 3, lines
+    assert all(re.fullmatch(r"memfit: compiling GPT: [0-9.]+ s so far", ln) for ln in compiling[1:-1]), lines
+    assert compiling[-1].startswith("memfit: compiling GPT: done in "), lines
+    bench = [ln for ln in lines if ln.startswith("memfit: bench")]
+    assert bench[0] == "memfit: bench: 0/3" and len(bench) >= 3, lines
+    assert all(ln.startswith("memfit: bench: 1/3 (fp32/none), about ") for ln in bench[1:-1]), lines
+    assert bench[-1].startswith("memfit: bench: 1/3 done in "), lines

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from readme_blocks import README, Block, all_blocks, python_blocks, run_block
+from readme_blocks import README, Block, all_blocks, outside_out, python_blocks, run_block
 
 BLOCKS = all_blocks()
 
@@ -24,5 +24,6 @@ def test_the_readme_and_docs_have_the_examples_the_issue_asks_for() -> None:
 
 @pytest.mark.parametrize("block", [pytest.param(b, id=b.id) for b in BLOCKS if not b.mark])
 def test_docs_block_runs_as_pasted(block: Block, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)  # blocks write plan.json, state.pt ...
+    monkeypatch.chdir(tmp_path)
     run_block(block)
+    assert outside_out(tmp_path, frozenset()) == [], f"{block.id} writes outside memfit-out/"

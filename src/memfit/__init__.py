@@ -21,12 +21,10 @@ Example:
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from memfit.apply import apply
+    from memfit.applying import apply
     from memfit.benchmarking.sweep import bench
     from memfit.check.stability import check_stability
     from memfit.checkpointing import checkpoint, find_blocks, uncheckpoint
@@ -67,15 +65,13 @@ __all__ = [
 # Note [the lazy top level]
 # Importing torch takes seconds, and `memfit --help` or `memfit --version` need none of it,
 # so the top-level names are looked up on first use (PEP 562 `__getattr__`) in the module
-# that defines them, then kept. One of them, `apply`, shares its name with the module
-# memfit/apply.py that defines it; importing that module (which any part of memfit may do)
-# makes the import system set `memfit.apply` to the module, so the package's class ignores
-# that one assignment and `memfit.apply` stays the function, as it was when these names
-# were imported eagerly.
+# that defines them, then kept. No top-level name is also the name of a module of memfit:
+# importing a submodule sets it as an attribute of the package, which would replace the
+# name (`memfit.apply` is defined in memfit/applying/, so nothing replaces it).
 
 #: Top-level name -> the module that defines it.
 _WHERE: dict[str, str] = {
-    "apply": "memfit.apply",
+    "apply": "memfit.applying",
     "bench": "memfit.benchmarking.sweep",
     "check_stability": "memfit.check.stability",
     "checkpoint": "memfit.checkpointing",
@@ -108,15 +104,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _TopLevel(types.ModuleType):
-    """The package's class: keeps a lazy name from being replaced by its namesake module."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if isinstance(value, types.ModuleType) and _WHERE.get(name) == f"{__name__}.{name}":
-            return  # See Note [the lazy top level]
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _TopLevel

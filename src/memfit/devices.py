@@ -103,7 +103,6 @@ def _cpu_model() -> str:
 @functools.cache
 def _cpu_facts() -> DeviceFacts:
     flags = _cpu_flags()
-    # Note [native low precision on a CPU]
     # Only AMX tiles make PyTorch's bf16 (or fp16) steps on a CPU reliably faster than fp32.
     # AVX512-BF16 has dot products but no tile unit: on a 2-core AMD EPYC with it, memfit bench
     # measured bf16 steps from 0.8x to 9.2x of fp32's (issue 28: bf16/full at 9.19x) and fp16 at

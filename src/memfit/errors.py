@@ -4,11 +4,14 @@ Every error a user can cause (a bad budget, a bad config, an impossible plan, an
 unsupported dtype) is a :class:`MemfitError` whose message is one sentence naming what is
 wrong and how to fix it. The CLI prints the message and exits with code 2; library callers
 catch the class they care about.
+
+See Note [errors without torch]: importing this module imports no torch.
 """
 
 from __future__ import annotations
 
-import torch
+import sys
+from typing import Any
 
 __all__ = [
     "CheckpointError",
@@ -27,15 +30,23 @@ __all__ = [
 
 _OOM_MESSAGES = ("can't allocate memory", "out of memory", "cannot allocate memory")
 
+# Note [errors without torch]
+# The command line checks a config path, a budget and an output path before it imports
+# torch (which takes seconds), and those checks raise these errors, so this module imports
+# no torch. The one error that must also be a torch class, OutOfMemory, is made the first
+# time it is asked for (PEP 562 module __getattr__), by which time torch is imported anyway.
+
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says an allocation failed (CUDA, MPS or the CPU allocator, or Python).
 
     Example:
+        >>> import torch
         >>> is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory")), is_out_of_memory(ValueError())
         (True, False)
     """
-    if isinstance(exc, torch.OutOfMemoryError | MemoryError):
+    torch = sys.modules.get("torch")  # an error torch raised means torch is imported
+    if isinstance(exc, MemoryError) or (torch is not None and isinstance(exc, torch.OutOfMemoryError)):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
 
@@ -114,18 +125,36 @@ class StateError(MemfitError):
     """A training-state file is missing, truncated, damaged or does not fit this run."""
 
 
-class OutOfMemory(MemfitError, torch.OutOfMemoryError):
-    """A training step ran out of memory and could not be re-planned and run again.
+#: A training step ran out of memory and could not be re-planned and run again; also a
+#: ``torch.OutOfMemoryError``. Made on first use: see Note [errors without torch].
+OutOfMemory: type[MemfitError]
 
-    It is also a ``torch.OutOfMemoryError``, so code that catches PyTorch's error catches it.
 
-    Attributes:
-        state_path: the file holding the training state from before the step, or None.
-    """
+def _out_of_memory() -> type[MemfitError]:
+    import torch
 
-    def __init__(self, message: str, state_path: object | None = None) -> None:
-        super().__init__(message)
-        self.state_path = state_path
+    class OutOfMemory(MemfitError, torch.OutOfMemoryError):
+        """A training step ran out of memory and could not be re-planned and run again.
+
+        It is also a ``torch.OutOfMemoryError``, so code that catches PyTorch's error catches it.
+
+        Attributes:
+            state_path: the file holding the training state from before the step, or None.
+        """
+
+        def __init__(self, message: str, state_path: object | None = None) -> None:
+            super().__init__(message)
+            self.state_path = state_path
+
+    OutOfMemory.__module__, OutOfMemory.__qualname__ = __name__, "OutOfMemory"
+    return OutOfMemory
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OutOfMemory":
+        made = globals()["OutOfMemory"] = _out_of_memory()
+        return made
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class LeverRefused(ConfigError):

@@ -1,8 +1,9 @@
 """Your own training loop with a plan: ``memfit.prepare`` once, ``memfit.train_step`` per step.
 
-``prepare(model, optimizer, plan)`` applies everything the plan decides that lives in the
-model or the optimizer (today: each block's checkpointing) and sets up the precision the
-plan runs in (autocast, and for fp16 the loss scaler, which must live across steps).
+``prepare(model, optimizer, plan)`` is :func:`memfit.apply` (everything the plan decides that
+lives in the model or the optimizer: each block's checkpointing, the levers, and the
+precision it runs in: autocast, and for fp16 the loss scaler, which must live across steps)
+plus registering the plan for :func:`train_step`; the plan is checked there, once.
 ``train_step(model, batch, loss_fn, optimizer, plan)`` then runs one step exactly as
 planned: the batch split into ``plan.micro_batches`` micro-batches under autocast with
 gradient accumulation (the effective batch is unchanged), scaled backward, clipping when
@@ -37,18 +38,14 @@ import torch
 from torch import nn
 
 from memfit.api_input import check_micro_batches
-from memfit.apply import apply, check_plan_fits
-from memfit.checkpointing import checkpointed_blocks
+from memfit.applying import apply
 from memfit.checkpointing.compile import compile_in_place
-from memfit.checkpointing.segments import applied_segments
-from memfit.devices import model_device, unwrap
+from memfit.devices import unwrap
 from memfit.errors import ConfigError, LeverRefused, NonFiniteLoss
-from memfit.levers.apply import apply_levers
 from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
 from memfit.records import Plan
 from memfit.step import Batch, LossFn, StepResult, training_step
-from memfit.vocab import CheckpointMode, normalize_modes
 
 __all__ = ["Prepared", "planned_step", "prepare", "prepared", "train_step"]
 
@@ -63,14 +60,9 @@ class Prepared:
     model: weakref.ref[nn.Module]
 
 
-# Note [prepared state keyed by the optimizer]
 # Keyed by the optimizer (weakly): the scaler's state must live from step to step, and the
 # optimizer is the one object a loop passes to every step that is its own.
 _PREPARED: weakref.WeakKeyDictionary[torch.optim.Optimizer, Prepared] = weakref.WeakKeyDictionary()
-
-
-def _planned_modes(plan: Plan) -> dict[str, CheckpointMode]:
-    return {n: m for n, m in normalize_modes(plan.blocks).items() if m != "none"}
 
 
 def prepare(
@@ -83,10 +75,10 @@ def prepare(
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """Make ``model`` and ``optimizer`` run ``plan``; returns them (use what it returns).
 
-    Applies the plan's per-block checkpointing and segments (unless the model is already
-    checkpointed exactly so, e.g. by :func:`memfit.apply` before a DDP or FSDP2 wrapper) and sets up the
-    plan's precision for :func:`train_step`. Calling it again with another plan replaces
-    the first.
+    :func:`memfit.apply` (per-block checkpointing and segments, left as they are when the
+    model is checkpointed so already, e.g. by ``memfit.apply`` before a DDP or FSDP2 wrapper;
+    the levers; the precision), then the plan registered for :func:`train_step`. Calling it
+    again with another plan replaces the first.
 
     Args:
         model: the model the plan was made for (or its DDP / FSDP2 wrapper).
@@ -107,22 +99,13 @@ def prepare(
         ConfigError: the plan does not fit the model, or ``precision`` contradicts it.
         LeverRefused: one of ``plan.levers`` cannot run here (the message says why).
     """
-    inner = unwrap(model)
-    check_plan_fits(inner, plan)
-    segments = [list(seg) for seg in plan.segments]
-    if checkpointed_blocks(inner) != _planned_modes(plan) or applied_segments(inner) != segments:
-        apply(inner, plan)
-    if precision is None:
-        precision = Precision(plan.precision, device=model_device(model))
-    elif precision.mode != plan.precision:
-        raise ConfigError(
-            f"precision {precision.mode!r} contradicts the plan's {plan.precision!r}; pass one of them."
-        )
-    optimizer = apply_levers(inner, optimizer, plan)
-    _PREPARED[optimizer] = Prepared(plan=plan, precision=precision, model=weakref.ref(inner))
+    done = apply(model, plan, optimizer, precision=precision)  # the plan is checked here, once
+    assert done.optimizer is not None
+    registered = Prepared(plan=plan, precision=done.precision, model=weakref.ref(unwrap(model)))
+    _PREPARED[done.optimizer] = registered
     if compile:
         compile_in_place(model)
-    return model, optimizer
+    return model, done.optimizer
 
 
 def prepared(optimizer: torch.optim.Optimizer) -> Prepared:

@@ -47,7 +47,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "style"]
+__all__ = ["INTERVAL", "Phase", "Style", "configure", "configured", "note", "phase", "starting", "style"]
+__all__ += ["waiting"]
 
 #: How progress shows: a tqdm bar, plain lines, or not at all.
 Style = Literal["bar", "lines", "off"]
@@ -56,6 +57,9 @@ Style = Literal["bar", "lines", "off"]
 INTERVAL = 2.0
 
 T = TypeVar("T")
+
+#: The longest a running phase goes without a line (See Note [never silent for long]).
+WAITING_INTERVAL = 8.0
 
 #: Values of ``MEMFIT_QUIET`` that do not silence progress.
 _NOT_QUIET = frozenset({"", "0", "false", "no", "off"})
@@ -73,6 +77,8 @@ _settings = _Settings()
 _lock = threading.RLock()
 _stack: list[Phase] = []
 """The phases running now, outermost first (one process: phases of all threads)."""
+_said = [0]
+"""How many lines progress has shown (bars and notes included), for :func:`starting`."""
 
 
 def configure(
@@ -164,6 +170,7 @@ def style() -> Style:
 
 def _write(stream: IO[str] | None, text: str) -> None:
     """One line; progress never stops the work (a closed or broken stream is skipped)."""
+    _said[0] += 1
     if stream is None:
         return
     try:
@@ -201,11 +208,13 @@ class Phase:
         done: the steps done so far.
     """
 
-    def __init__(self, name: str, total: int | None, how: Style) -> None:
-        self.name, self.total, self.done = name, total, 0
+    def __init__(self, name: str, total: int | None, how: Style, done: int = 0) -> None:
+        self.name, self.total, self.done = name, total, done
         self.detail = ""
         self._style, self._stream, self._settings = how, _stream(), _settings
         self._started = self._last = self._settings.clock()
+        self._said_at = time.monotonic()  # real time of its last line: See Note [never silent for long]
+        self._timed_from = done  # the steps done before the clock of the time left started
         self._bar: Any = None
         if how == "bar":
             from tqdm import tqdm  # imported here: a bar is the only use of tqdm
@@ -213,27 +222,35 @@ class Phase:
             fmt = None if total else "{desc} ({elapsed})"
             self._bar = tqdm(
                 total=total, desc=name, file=self._stream, leave=False, dynamic_ncols=True, unit="step",
-                bar_format=fmt,
+                bar_format=fmt, initial=done,
             )  # fmt: skip
         elif how == "lines":
-            _write(self._stream, f"memfit: {name}" + (f": 0/{total}" if total else ""))
+            _write(self._stream, f"memfit: {name}" + (f": {done}/{total}" if total else ""))
+        if how != "off":
+            _start_heartbeat()
 
-    def advance(self, n: int = 1, detail: str | None = None) -> None:
+    def advance(self, n: int = 1, detail: str | None = None, timed: bool = True) -> None:
         """``n`` more steps done; ``detail`` (what was just done: a mode, a strategy) shows after
-        the count."""
+        the count. ``timed=False``: these steps were not typical (a compiled model's first step,
+        which compiled it), and the time left is estimated from the steps after them."""
         with _lock:
             self.done += n
             self.detail = self.detail if detail is None else detail
+            if not timed:
+                self._timed_from, self._started = self.done, self._settings.clock()
             if self._bar is not None:
                 if detail is not None:
                     self._bar.set_postfix_str(detail, refresh=False)
                 self._bar.update(n)
+                if not timed:
+                    self._bar.reset(total=self.total)  # its rate starts again from here
+                    self._bar.update(self.done)
                 return
             if self._style != "lines" or not _stack or _stack[-1] is not self:
                 return  # See Note [lines a log can read]
             now = self._settings.clock()
-            if now - self._last >= self._settings.interval:
-                self._last = now
+            if now - self._last >= self._settings.interval or not timed:
+                self._last, self._said_at = now, time.monotonic()
                 _write(self._stream, self._line(now))
 
     def over(self, items: Iterable[T]) -> Iterator[T]:
@@ -244,10 +261,15 @@ class Phase:
 
     def _line(self, now: float) -> str:
         elapsed = now - self._started
+        if self.total is None and not self.done:
+            return f"memfit: {self.name}: {_duration(elapsed)} so far"
         count = f"{self.done}/{self.total}" if self.total else f"{self.done} done"
         text = f"memfit: {self.name}: {count}" + (f" ({self.detail})" if self.detail else "")
-        if self.total and 0 < self.done < self.total:
-            return text + f", about {_duration(elapsed / self.done * (self.total - self.done))} left"
+        timed = self.done - self._timed_from
+        if self.total and timed > 0 and self.done < self.total:
+            return text + f", about {_duration(elapsed / timed * (self.total - self.done))} left"
+        if self.total and timed == 0:
+            return text  # nothing timed yet: no time to tell
         return text + f", {_duration(elapsed)} so far"
 
     def _end(self, finished: bool) -> None:
@@ -262,16 +284,48 @@ class Phase:
         _write(self._stream, f"memfit: {self.name}: {how} {_duration(elapsed)}")
 
 
+# Note [never silent for long]
+# A phase advances where the code calls advance(); one strategy's measurement, a compilation
+# or torchao's first step may take half a minute between two calls, and a log that says
+# nothing for that long looks hung. One daemon thread looks at the innermost phase every
+# second: if it has shown nothing for WAITING_INTERVAL seconds (real time, whatever clock the
+# settings hold), it writes the phase's line again (the count, the time so far) or redraws
+# its bar. The thread starts with the first phase shown and lives as long as the process.
+
+_heartbeat: list[threading.Thread] = []
+
+
+def _start_heartbeat() -> None:
+    with _lock:
+        if not _heartbeat:
+            _heartbeat.append(threading.Thread(target=_beat, name="memfit-progress", daemon=True))
+            _heartbeat[0].start()
+
+
+def _beat() -> None:
+    while True:
+        time.sleep(min(1.0, WAITING_INTERVAL / 4))
+        with _lock:
+            ph = _stack[-1] if _stack else None
+            if ph is None or time.monotonic() - ph._said_at < WAITING_INTERVAL:
+                continue
+            ph._said_at = time.monotonic()
+            if ph._bar is not None:
+                ph._bar.refresh()
+            elif ph._style == "lines":
+                _write(ph._stream, ph._line(ph._settings.clock()))
+
+
 @contextmanager
-def phase(name: str, total: int | None = None) -> Iterator[Phase]:
+def phase(name: str, total: int | None = None, done: int = 0) -> Iterator[Phase]:
     """A phase of work called ``name`` of ``total`` steps (None: not counted; 0: nothing to do,
-    nothing shown) while the body runs.
+    nothing shown) while the body runs; ``done`` of them are done already (training resumed).
 
     Phases nest: a terminal shows a bar per phase, a log the innermost phase's lines. An
     exception in the body ends the phase (``stopped after`` in a log) and goes on.
     """
     with _lock:
-        ph = Phase(name, total, style() if total != 0 else "off")  # no steps: nothing to show
+        ph = Phase(name, total, style() if total != 0 else "off", done)  # no steps: nothing to show
         _stack.append(ph)
     finished = False
     try:
@@ -293,4 +347,58 @@ def note(message: str) -> None:
         from tqdm import tqdm
 
         with _lock:
+            _said[0] += 1
             tqdm.write(f"memfit: {message}", file=_stream())
+
+
+@contextmanager
+def waiting(name: str) -> Iterator[Phase]:
+    """A phase that waits on one long call with nothing to count (a compilation): a line when it
+    starts and, while it runs, one every :data:`WAITING_INTERVAL` seconds saying how long it has
+    taken (See Note [never silent for long]).
+
+    Example:
+        >>> import io
+        >>> log = io.StringIO()
+        >>> with configured(quiet=False, stream=log), waiting("compiling the step"):
+        ...     pass
+        >>> print(log.getvalue(), end="")
+        memfit: compiling the step
+    """
+    with phase(name) as ph:
+        yield ph
+
+
+@contextmanager
+def starting(what: str, after: float = 5.0) -> Iterator[None]:
+    """While the body runs and progress has shown nothing yet (no line, no phase), a note every
+    ``after`` seconds: ``memfit: <what> (10 s so far)``. A command's first seconds (importing
+    torch, reading data, building the model) then never pass in silence on a busy machine.
+
+    Example:
+        >>> import io
+        >>> log = io.StringIO()
+        >>> with configured(quiet=False, stream=log), starting("starting", after=0.01):
+        ...     time.sleep(0.1)
+        >>> first = log.getvalue().splitlines()[0]
+        >>> first.startswith("memfit: starting (") and first.endswith(" s so far)")
+        True
+    """
+    stop, started = threading.Event(), time.monotonic()
+
+    def watch(expected: int) -> None:
+        while not stop.wait(after):
+            if _said[0] != expected or _stack:
+                return  # the command speaks for itself from here on
+            note(f"{what} ({_duration(time.monotonic() - started)} so far)")
+            expected = _said[0]
+
+    watcher = threading.Thread(target=watch, args=(_said[0],), name="memfit-starting", daemon=True)
+    if style() != "off":
+        watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if watcher.is_alive():
+            watcher.join()

@@ -1,8 +1,10 @@
 """One training step, the same code for measuring, profiling, benchmarking and training.
 
 ``zero_grad(set_to_none=True)``, forward under autocast, scaled backward per micro-batch,
-optional clipping (after unscaling), optimizer step through the scaler, scaler update. The
-fp32 path runs the same lines: autocast is a ``nullcontext`` and the scaler is disabled.
+optional clipping (after unscaling), optimizer step through the scaler, scaler update: each
+through the :class:`~memfit.precision.Precision` (its kind's ``autocast``, ``backward``,
+``optimizer_step``). The fp32 path runs the same lines: autocast is a ``nullcontext`` and the
+scaler is disabled (nanoGPT's one code path).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.checkpointing.compile import compiling_step
 from memfit.errors import ConfigError
 from memfit.levers.fused import fused_step_of
 from memfit.precision import Precision
@@ -137,38 +140,34 @@ def training_step(
         optimizer.zero_grad(set_to_none=True)
     else:
         model.zero_grad(set_to_none=True)
-    scaler = precision.scaler
     parts = split_batch(batch, micro_batches)
     total = batch_size(batch)
     loss_sum = 0.0
     fused = fused_step_of(optimizer)
     grad_norm = None
-    for i, part in enumerate(parts):
-        with precision.autocast():
-            loss = _scalar_loss(loss_fn(model, part))
-        if i == 0 and after_forward is not None:
-            after_forward()
-        weight = batch_size(part) / total
-        scaled = scaler.scale(loss * weight if len(parts) > 1 else loss)
-        if fused is not None and i == len(parts) - 1:
-            grad_norm = fused.backward(scaled, clip_norm)
-        else:
-            scaled.backward()
-        loss_sum += _value(loss) * weight
+    with compiling_step(model):  # the first step of a compiled model compiles: it says so
+        for i, part in enumerate(parts):
+            with precision.autocast():
+                loss = _scalar_loss(loss_fn(model, part))
+            if i == 0 and after_forward is not None:
+                after_forward()
+            weight = batch_size(part) / total
+            share = loss * weight if len(parts) > 1 else loss
+            if fused is not None and i == len(parts) - 1:
+                grad_norm = fused.backward(precision.scaler.scale(share), clip_norm)
+            else:
+                precision.backward(share)
+            loss_sum += _value(loss) * weight
     if after_backward is not None:
         after_backward()
     if fused is not None:
         return StepResult(loss_sum, grad_norm, False, 1.0, total, batch_tokens(batch))
+    scaler = precision.scaler
     if clip_norm is not None and optimizer is not None:
         scaler.unscale_(optimizer)
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm))
-    skipped = False
     scale = float(scaler.get_scale()) if scaler.is_enabled() else 1.0
-    if optimizer is not None:
-        scaler.step(optimizer)
-        scaler.update()
-        if scaler.is_enabled():
-            skipped = float(scaler.get_scale()) < scale
+    skipped = precision.optimizer_step(optimizer) if optimizer is not None else False
     return StepResult(
         loss=loss_sum,
         grad_norm=grad_norm,

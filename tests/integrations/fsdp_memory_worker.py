@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.measuring.profile import profile
 from memfit.measuring.tracker import MemoryWatch
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss

@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from readme_blocks import Block, all_shell_blocks, fresh_clone, run_shell
+from readme_blocks import Block, all_shell_blocks, fresh_clone, outside_out, run_shell
 
 EXTRAS = [pytest.param(b, id=b.id) for b in all_shell_blocks() if b.mark == "extras"]
 
@@ -29,3 +29,4 @@ def test_docs_extras_shell_block_runs_as_pasted(block: Block, clone: tuple[Path,
     pytest.importorskip("transformers", reason="transformers is not installed")
     folder, env = clone
     run_shell(block, folder, env)
+    assert outside_out(folder) == [], f"{block.id} writes outside memfit-out/"

@@ -75,13 +75,13 @@ def test_plan_at_60_percent_holds_when_measured(name: str) -> None:
     batch = _batch(4, 32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = memfit.plan(model, batch, hf_causal_loss, "60%", opt, precision="fp32")
-    assert plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
     memfit.apply(model, plan)
     assert any(m != "none" for m in plan.blocks.values())
     measured = memfit.measure(
         model, batch, hf_causal_loss, opt, "fp32", steps=1, micro_batches=plan.micro_batches
     )
-    assert measured.peak_bytes <= plan.budget_bytes < plan.baseline_peak_bytes
+    assert measured.peak_bytes <= plan.budget_bytes < plan.report.baseline_peak_bytes
 
 
 def test_profile_and_estimate_work_on_hf_models() -> None:
@@ -102,16 +102,16 @@ def test_profile_and_estimate_work_on_hf_models() -> None:
 def test_huggingface_checkpointing_is_detected_not_doubled() -> None:
     model = _model("gpt2")
     assert checkpointing_owner(model) == "none"
-    model.gradient_checkpointing_enable()
+    model.activation_checkpointing_enable()
     assert checkpointing_owner(model) == "huggingface"
-    with pytest.raises(ConfigError, match="gradient_checkpointing_disable"):
+    with pytest.raises(ConfigError, match=r"call model\.activation_checkpointing_disable\(\)"):
         memfit.checkpoint(model, mode="full")
     assert memfit.checkpointing.checkpointed_blocks(model) == {}
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     memfit.checkpoint(model, mode="full")
     assert checkpointing_owner(model) == "memfit"
-    model.gradient_checkpointing_enable()  # the user turns it on afterwards: the Trainer refuses
-    with pytest.raises(ConfigError, match="Hugging Face gradient checkpointing is on"):
+    model.activation_checkpointing_enable()  # the user turns it on afterwards: the Trainer refuses
+    with pytest.raises(ConfigError, match="Hugging Face activation checkpointing is on"):
         memfit.Trainer(model, torch.optim.AdamW(model.parameters()), hf_causal_loss, "fp32")
 
 

@@ -111,7 +111,8 @@ def test_hf_trainer_with_default_gpt2_trains_under_prepare(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("kw", "name"),
-    [({"gradient_checkpointing": True}, "gradient_checkpointing=True"),
+    # the deprecated alias is named as transformers spells it today
+    [({"gradient_checkpointing": True}, "activation_checkpointing=True"),
      ({"auto_find_batch_size": True}, "auto_find_batch_size=True")],
 )  # fmt: skip
 def test_conflicting_arguments_are_named(tmp_path: Path, kw: dict[str, object], name: str) -> None:
@@ -144,3 +145,28 @@ def test_own_loop_on_default_gpt2_equals_trainer_and_fits(tmp_path: Path) -> Non
     history = trainer.fit(batches, steps=10)
     torch.testing.assert_close(torch.tensor(own), torch.tensor([m.loss for m in history]), rtol=0, atol=0)
     assert 0 < peaks[0] <= plan.budget_bytes, (peaks, plan.budget_bytes)
+
+
+def test_prepare_with_a_saved_plan_does_not_plan_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decision made once is used as it is: ``prepare(..., plan=plan)`` profiles nothing, and a
+    plan made for another model is refused in one sentence."""
+    data = _dataset(8)
+    plan, _ = plan_for_trainer(_gpt2(), _args(tmp_path), data, budget="60%", precision="fp32")
+    saved = memfit.Plan.from_json(plan.to_json())
+
+    def refuse(*_a: object, **_k: object) -> None:
+        raise AssertionError("prepare(plan=...) profiled or planned")
+
+    monkeypatch.setattr("memfit.integrations.hf_trainer.plan", refuse)
+    monkeypatch.setattr("memfit.measuring.profile.Profiler.__init__", refuse)
+    model = _gpt2()
+    args = prepare(model, _args(tmp_path), data, plan=saved)
+    assert checkpointed_blocks(model) == {n: m for n, m in saved.blocks.items() if m != "none"}
+    assert args.gradient_accumulation_steps == saved.micro_batches
+    other = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=3, n_embd=64, n_head=2, n_positions=64, vocab_size=256)
+    )
+    with pytest.raises(ConfigError, match="the plan was made for another model"):
+        prepare(other, _args(tmp_path), data, plan=saved)

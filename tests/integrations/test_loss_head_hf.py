@@ -11,7 +11,7 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers", reason="memfit[hf] extra (transformers) not installed")
 
-from memfit.levers import apply_levers, remove_levers  # noqa: E402
+from memfit.applying import apply, remove_levers  # noqa: E402
 from memfit.levers.head import chunked_head_of, find_head, head_refusal, install_chunked_head  # noqa: E402
 from memfit.records import Plan, Profile  # noqa: E402
 
@@ -71,7 +71,7 @@ def test_chunked_head_gives_the_models_own_loss_and_gradients(kind: str) -> None
     batch = _batch()
     ref_loss, ref_grads = _loss_and_grads(model, batch)
     opt = torch.optim.AdamW(model.parameters())
-    apply_levers(model, opt, Plan(blocks={}, levers=["chunked_loss"]))
+    apply(model, Plan(blocks={}, levers=["chunked_loss"]), opt)
     assert chunked_head_of(model) == 8388  # 2**23 // 1000 tokens per chunk
     install_chunked_head(model, chunk_tokens=7)  # several chunks at this batch, the last one short
     out = model(input_ids=batch[0], labels=batch[1])
@@ -100,7 +100,7 @@ def test_num_items_in_batch_sums_then_divides_as_hugging_face_does() -> None:
     model = _model("llama")
     x, labels = _batch()
     ref = model(input_ids=x, labels=labels, num_items_in_batch=torch.tensor(17)).loss
-    apply_levers(model, torch.optim.AdamW(model.parameters()), Plan(blocks={}, levers=["chunked_loss"]))
+    apply(model, Plan(blocks={}, levers=["chunked_loss"]), torch.optim.AdamW(model.parameters()))
     got = model(input_ids=x, labels=labels, num_items_in_batch=torch.tensor(17)).loss
     torch.testing.assert_close(got, ref, **FP32_TOL)
 
@@ -145,7 +145,7 @@ def _measured(model: nn.Module, batch, opt: torch.optim.Optimizer, plan: Plan) -
     from memfit.step import training_step
 
     with preserved(model, opt):
-        used = apply_levers(model, opt, plan)
+        used = apply(model, plan, opt).optimizer
         create_optimizer_state(model, used)
         with MemoryWatch(model, used) as watch:
             training_step(model, batch, labels_loss, used, Precision("fp32"))
@@ -172,8 +172,8 @@ def _head_profile(
 
 @pytest.mark.parametrize("kind", ["qwen2", "gemma2", "cohere", "llama", "phi"])
 def test_predicted_peak_of_the_chunked_head_within_5_percent(kind: str) -> None:
+    from memfit.applying import with_levers
     from memfit.stepmodel import simulate
-    from memfit.stepmodel.with_levers import with_levers
 
     model, batch = _big(kind), _big_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -195,17 +195,17 @@ def test_the_chunk_size_is_applied_and_predicted_at_a_third_size(kind: str) -> N
     """Tied (Qwen2) and biased (Phi) heads at 16k: the head is measured at the default chunk
     (all 192 tokens) and at the ladder's smallest; a step at 48 tokens a chunk, applied from
     the plan, is predicted within 5% of MemTracker's count."""
+    from memfit.applying import with_levers
     from memfit.stepmodel import simulate
     from memfit.stepmodel.head_chunks import at_chunk
-    from memfit.stepmodel.with_levers import with_levers
 
     model, batch = _big(kind), _big_batch()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     profile = _head_profile(model, batch, opt)
     head = profile.lever_facts.head
     assert head.default_chunk_tokens == 192 and head.small_chunk_tokens == 3
-    plan = Plan(blocks={}, levers=["chunked_loss"], loss_chunk_tokens=48)
-    apply_levers(model, opt, plan)
+    plan = Plan(blocks={}, levers=["chunked_loss"], lever_settings={"chunked_loss": {"chunk_tokens": 48}})
+    apply(model, plan, opt)
     assert chunked_head_of(model) == 48
     remove_levers(model, opt)
     chunked = _measured(model, batch, opt, plan)
@@ -279,7 +279,7 @@ def test_a_budget_of_three_tenths_fits_with_every_lever_measured_by_memtracker()
     import copy
 
     import memfit
-    from memfit.stepmodel import with_levers
+    from memfit.stepmodel import state_bytes
 
     model = _model("qwen2", vocab_size=32768, hidden_size=64, num_attention_heads=4, intermediate_size=5632,
                    num_hidden_layers=4, max_position_embeddings=256)  # fmt: skip
@@ -290,15 +290,15 @@ def test_a_budget_of_three_tenths_fits_with_every_lever_measured_by_memtracker()
     prof = memfit.profile(model, batch, labels_loss, opt, "fp32", repeats=1)
     plain = prof.measured_peak_bytes
     plain_loss = labels_loss(copy.deepcopy(fresh), batch)
-    old = with_levers.STEP_SLICE_ELEMENTS
-    with_levers.STEP_SLICE_ELEMENTS = 2**18  # the tied 32k x 64 embedding steps in 8 slices
+    old = state_bytes.STEP_SLICE_ELEMENTS
+    state_bytes.STEP_SLICE_ELEMENTS = 2**18  # the tied 32k x 64 embedding steps in 8 slices
     try:
         plan = memfit.plan(model, batch, labels_loss, int(0.30 * plain), opt, "fp32", levers="all",
                            profiles={"fp32": prof})  # fmt: skip
         model, opt = memfit.prepare(model, opt, plan)
         first, peak = _tracked_second_step(model, batch, opt, plan)
     finally:
-        with_levers.STEP_SLICE_ELEMENTS = old
+        state_bytes.STEP_SLICE_ELEMENTS = old
     print(f"plain {plain:,} B; 0.30x plan {plan.levers} predicted {plan.predicted_peak_bytes:,} B, "
           f"MemTracker {peak:,} B ({peak / plain:.3f}x)")  # fmt: skip
     assert "chunked_loss" in plan.levers

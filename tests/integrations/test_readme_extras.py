@@ -11,7 +11,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from readme_blocks import Block, all_blocks, run_block
+from readme_blocks import Block, all_blocks, outside_out, run_block
 
 EXTRAS = [pytest.param(b, id=b.id) for b in all_blocks() if b.mark == "extras"]
 _NEEDS = ("transformers", "lightning", "accelerate")
@@ -27,6 +27,7 @@ def test_docs_extras_block_runs_as_pasted(
     monkeypatch.chdir(tmp_path)
     _fresh_accelerate()
     run_block(block)
+    assert outside_out(tmp_path, frozenset()) == [], f"{block.id} writes outside memfit-out/"
 
 
 def _fresh_accelerate() -> None:

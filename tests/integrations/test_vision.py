@@ -73,7 +73,7 @@ def test_resnet18_plan_at_60_percent_holds_when_measured() -> None:
     memfit.apply(model, plan)
     assert memfit.checkpointing.checkpointed_blocks(model), "a 60% budget must checkpoint something"
     measured = memfit.measure(model, batch, _ce, opt, "fp32", steps=1, micro_batches=plan.micro_batches)
-    assert measured.peak_bytes <= plan.budget_bytes == int(0.6 * plan.baseline_peak_bytes)
+    assert measured.peak_bytes <= plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
 
 
 @pytest.mark.slow

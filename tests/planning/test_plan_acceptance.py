@@ -67,7 +67,7 @@ def test_plan_fits_budget_and_prediction(setup: Setup, percent: int) -> None:
         assert _smallest_strategy_peak(s) > exc.budget_bytes
         return
     assert plan.budget_bytes == int(baseline * percent / 100)
-    assert plan.baseline_peak_bytes == baseline
+    assert plan.report.baseline_peak_bytes == baseline
     assert 0 < plan.measured_peak_bytes <= plan.budget_bytes
     assert plan.measured_peak_bytes == pytest.approx(plan.predicted_peak_bytes, rel=PREDICTION_RTOL)
     assert checkpointed_blocks(s.model) == {}  # planning changed nothing
@@ -116,7 +116,7 @@ def test_planned_gradients_equal_plain(setup: Setup, squeeze: str) -> None:
         # checkpointing fits the whole batch; micro-batches are chosen where predicted faster
         assert set(plan.blocks.values()) != {"none"} or plan.micro_batches > 1
     plain = copy.deepcopy(s.model)
-    planned = memfit.apply(copy.deepcopy(s.model), plan)
+    planned = memfit.apply(copy.deepcopy(s.model), plan).model
     want = _grads(plain, s, plan.micro_batches)
     got = _grads(planned, s, plan.micro_batches)
     assert want.keys() == got.keys() and want

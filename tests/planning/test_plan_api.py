@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from memfit.checkpointing import checkpointed_blocks
 from memfit.models.gpt import gpt_loss
 from memfit.planning.choose import plan_from_profiles
 from memfit.planning.solver import minimum_peak
-from memfit.records import BlockStats, Plan, Profile
+from memfit.records import BlockStats, Plan, PlanReport, Profile
 from memfit.stepmodel import simulate
 
 
@@ -62,7 +63,7 @@ def test_tighter_budgets_checkpoint_more_and_cost_more() -> None:
     prof = _profile()
     lo, hi = _peak(prof, "full"), _peak(prof, "none")
     plans = [plan_from_profiles({"fp32": prof}, int(lo + f * (hi - lo))) for f in (1.0, 0.6, 0.3, 0.0)]
-    times = [p.predicted_step_seconds for p in plans]
+    times = [p.report.predicted_step_seconds for p in plans]
     assert times == sorted(times) and times[0] < times[-1]
     for p in plans:
         assert p.predicted_peak_bytes <= p.budget_bytes
@@ -168,48 +169,47 @@ def test_plan_leaves_the_model_as_it_was() -> None:
 def test_a_plan_never_measured_under_budget_reports_the_last_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every plan measures over its budget: the refusal names the last measured peak (the
     tighter plan that would come next was never measured, so its 0 B is not a measurement)."""
-    from memfit.planning import planner
+    from memfit.planning import checked
 
     model, batch = tiny_gpt(), token_batch()
     seen: list[int] = []
 
-    def over(self: object, result: Plan) -> tuple[int, bool]:
-        seen.append(result.budget_bytes + 1 + len(seen))
+    def over(request: object, result: Plan, lines: object) -> tuple[int, bool]:
+        budget = seen[0] - 1 if seen else result.budget_bytes  # the tighter plans' reports are empty
+        seen.append(budget + 1 + len(seen))
         return seen[-1], True
 
-    def tighter(self: object, profiles: object, result: Plan, budget: object, segments: bool) -> tuple:
-        return dataclasses.replace(result, measured_peak_bytes=0), profiles
+    def tighter(request: object, chosen: object, profiles: object, result: Plan, *rest: object) -> tuple:
+        return dataclasses.replace(result, report=PlanReport()), profiles
 
-    monkeypatch.setattr(planner._Planner, "_measure_in_room", over)
-    monkeypatch.setattr(planner._Planner, "_tighter", tighter)
+    monkeypatch.setattr(checked, "_measure_in_room", over)
+    monkeypatch.setattr(checked, "_tighter", tighter)
     with pytest.raises(memfit.InfeasibleBudget) as info:
         memfit.plan(model, batch, gpt_loss, "90%", precision="fp32")
-    assert len(seen) == planner._CHECKS
+    assert len(seen) == checked.CHECKS
     assert f"the last measured {format_bytes(seen[-1])}" in str(info.value)
     assert info.value.minimum_bytes == seen[-1]
 
 
 def _budget_searched(monkeypatch: pytest.MonkeyPatch, first: object) -> tuple[list[int], list[Plan]]:
-    """Plan the tiny GPT at 50% with the first measurement replaced by ``first(result)`` (the
-    rest real), and record the budgets the re-plans searched."""
-    from memfit.planning import planner
+    """Plan with the first measurement replaced by ``first(result)`` (the rest real), and
+    record the budgets the re-plans searched."""
+    from memfit.planning import checked
 
     searched: list[int] = []
     measured: list[Plan] = []
-    real_measure, real_tighter = planner._Planner._measure_in_room, planner._Planner._tighter
+    real_measure, real_tighter = checked._measure_in_room, checked._tighter
 
-    def measure(self: planner._Planner, result: Plan) -> tuple[int, bool]:
+    def measure(request: Any, result: Plan, lines: list[str]) -> tuple[int, bool]:
         measured.append(result)
-        return first(result) if len(measured) == 1 else real_measure(self, result)  # type: ignore[operator]
+        return first(result) if len(measured) == 1 else real_measure(request, result, lines)  # type: ignore[operator]
 
-    def tighter(
-        self: planner._Planner, profiles: object, result: Plan, budget: tuple[int, int], segments: bool
-    ):  # type: ignore[no-untyped-def]
+    def tighter(request: Any, chosen: Any, profiles: Any, result: Plan, budget: Any, *rest: Any) -> Any:
         searched.append(budget[0] - budget[1])
-        return real_tighter(self, profiles, result, budget, segments)  # type: ignore[arg-type]
+        return real_tighter(request, chosen, profiles, result, budget, *rest)
 
-    monkeypatch.setattr(planner._Planner, "_measure_in_room", measure)
-    monkeypatch.setattr(planner._Planner, "_tighter", tighter)
+    monkeypatch.setattr(checked, "_measure_in_room", measure)
+    monkeypatch.setattr(checked, "_tighter", tighter)
     return searched, measured
 
 
@@ -239,7 +239,7 @@ def test_a_plan_that_runs_out_of_memory_when_measured_is_replanned_under_the_roo
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from memfit.devices import Room
-    from memfit.planning import planner
+    from memfit.planning import checked
     from memfit.planning.budgets import held_bytes
 
     model, batch = tiny_gpt(n_layer=4), token_batch(32, 16)
@@ -253,13 +253,13 @@ def test_a_plan_that_runs_out_of_memory_when_measured_is_replanned_under_the_roo
     held = held_bytes(model, opt)
     # room for 80% of what the plan's step needs beyond what is held (with Room's margin)
     room = Room(free=16 * 2**20 + int(1.1 * 0.8 * (predicted - held)) + 2, source="a test")
-    searched, _ = _budget_searched(monkeypatch, lambda result: (planner._OUT_OF_MEMORY, True))
-    monkeypatch.setattr(planner, "room", lambda device: room)
+    searched, _ = _budget_searched(monkeypatch, lambda result: (checked.OUT_OF_MEMORY, True))
+    monkeypatch.setattr(checked, "room", lambda device: room)
     p = memfit.plan(model, batch, gpt_loss, "50%", opt, precision="fp32")
     assert searched == [held + room.usable] and p.predicted_peak_bytes <= held + room.usable < predicted
-    assert any("ran out of memory when measured" in m for m in p.measured), p.measured
+    assert any("ran out of memory when measured" in m for m in p.report.measured), p.report.measured
     # where the room holds the plan's prediction, a re-plan would choose it again: refused
-    _budget_searched(monkeypatch, lambda result: (planner._OUT_OF_MEMORY, True))
-    monkeypatch.setattr(planner, "room", lambda device: Room(free=2**40, source="a test"))
+    _budget_searched(monkeypatch, lambda result: (checked.OUT_OF_MEMORY, True))
+    monkeypatch.setattr(checked, "room", lambda device: Room(free=2**40, source="a test"))
     with pytest.raises(memfit.InfeasibleBudget, match="ran out of memory when measured although the device"):
         memfit.plan(model, batch, gpt_loss, "50%", opt, precision="fp32")

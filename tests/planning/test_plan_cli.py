@@ -35,13 +35,13 @@ def test_plan_cli_prints_the_plan_and_writes_json(tmp_path: Path, capsys: pytest
     for name, mode in plan.blocks.items():
         assert f"{name}  {'segment' if name in in_segment else mode}" in text
     assert "of the baseline" in text and "predicted" in text and f"plan written to {out}" in text
-    assert 0 < plan.measured_peak_bytes <= plan.budget_bytes == int(0.85 * plan.baseline_peak_bytes)
+    assert 0 < plan.measured_peak_bytes <= plan.budget_bytes == int(0.85 * plan.report.baseline_peak_bytes)
 
 
 @pytest.mark.parametrize(
     ("budget", "message"),
     [
-        ("abc", "cannot read budget 'abc'"),
+        ("abc", "cannot read --budget 'abc'"),  # the flag, as written (checked before torch is imported)
         ("-1GB", "budget must be positive"),
         ("150%", "over 100%"),
         ("0", "budget must be positive"),

@@ -88,7 +88,7 @@ def test_micro_batches_are_chosen_where_faster_than_checkpointing_that_fits_whol
     assert budget < simulate(cheap, "none").peak_bytes
     plan = plan_from_profiles({"fp32": cheap}, budget)
     assert plan.micro_batches > 1
-    assert plan.predicted_step_seconds < predict_step_seconds(cheap, "full")
+    assert plan.report.predicted_step_seconds < predict_step_seconds(cheap, "full")
     # where one more micro-batch costs more than a recompute, checkpointing is the plan
     dear = _profile(8.0)
     plan = plan_from_profiles({"fp32": dear}, budget)

@@ -49,7 +49,7 @@ def test_five_plans_in_one_process_are_the_same() -> None:
     assert len({json.dumps(_key(p)) for p in plans}) == 1, [_key(p) for p in plans]
     first = plans[0]
     assert any("FlopCounterMode" in n for n in first.notes)  # what the time model rests on
-    assert first.planning_seconds > 0 and any("tracked step" in m for m in first.measured)
+    assert first.report.planning_seconds > 0 and any("tracked step" in m for m in first.report.measured)
 
 
 def test_cli_and_python_give_the_same_plan(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def test_a_standard_configuration_wins_unless_a_plan_is_clearly_faster() -> None
     assert custom + PREFER_STANDARD * cheap.step_seconds < best_standard
     plan = plan_from_profiles({"fp32": cheap}, every2)
     assert standard_name(cheap, list(plan.blocks.values()), plan.segments) is None
-    assert plan.predicted_step_seconds <= custom + TIE * cheap.step_seconds  # a tie: the lowest peak
+    assert plan.report.predicted_step_seconds <= custom + TIE * cheap.step_seconds  # a tie: the lowest peak
     note = standard_note(plan, cheap) or ""
     assert "fastest PyTorch configuration that fits, 'selective'" in note  # selective fits here too
 

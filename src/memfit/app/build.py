@@ -27,8 +27,7 @@ from torch import nn
 
 from memfit.app.config import FROZEN_BASES, Config, LoraConfig, ModelConfig
 from memfit.errors import ConfigError
-from memfit.levers.apply import frozen_levers
-from memfit.levers.frozen import is_nf4, nf4_available, nf4_linears
+from memfit.levers.frozen import cast_frozen, is_nf4, nf4_available, nf4_linears, quantize_frozen
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.spec import ModelSpec
 from memfit.vocab import PrecisionChoice
@@ -113,7 +112,10 @@ def store_frozen_base(model: nn.Module, lora: LoraConfig) -> str:
             "model.lora.base = 'nf4' quantizes frozen nn.Linear weights (not the output head) whose size "
             '64 x 256 divides, and this model has none; set model.lora.base = "bf16".'
         )
-    frozen_levers(model, None, list(FROZEN_BASES[lora.base]))
+    if "frozen_nf4" in FROZEN_BASES[lora.base]:  # the NF4 weights first, then the rest in bf16
+        quantize_frozen(model)
+    if "frozen_bf16" in FROZEN_BASES[lora.base]:
+        cast_frozen(model)
     seen: dict[int, nn.Parameter] = {id(p): p for p in model.parameters() if not p.requires_grad}
     nf4 = sum(p.numel() for p in seen.values() if is_nf4(p))
     rest = sum(p.numel() for p in seen.values() if not is_nf4(p) and p.is_floating_point())

@@ -5,7 +5,7 @@ model (unwrapped, at the batch one rank computes: its slice of the global batch)
 profile into one rank's memory with :mod:`memfit.planning.sharding` (FSDP2: shards of
 parameters, gradients and optimizer state plus each block's gathered parameters while it
 computes; DDP: the whole model plus its gradient buckets) and solves against it with
-:func:`memfit.planning.planner.plan_from_profiles`. A percentage budget is of the
+:func:`memfit.planning.choose.plan_from_profiles`. A percentage budget is of the
 predicted per-rank fp32 no-checkpointing peak.
 
 The plan (or the error, as one sentence) is broadcast to every rank, so every rank applies
@@ -22,6 +22,7 @@ Example (inside ``torchrun``, after :func:`memfit.trainer.distributed.init_distr
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,18 +72,18 @@ def _plan_rank(
     # See Note [room before the snapshot]
     budget_bytes = resolve_in_room(budget, baseline, room(device), held_bytes(model, optimizer), device)
     result = plan_from_profiles({p: ranked[p] for p in wanted}, budget_bytes, baseline, seconds)
-    result.notes.append(
+    note = (
         f"{ctx.mode} over {ctx.world_size} processes: planned on rank 0 for one rank's memory "
         "(memfit.planning.sharding); each rank's peak is measured during training"
     )
-    return result
+    return replace(result, report=replace(result.report, notes=[*result.notes, note]))
 
 
 def plan_for_ranks(
     model: nn.Module,
     batch: Batch,
     loss_fn: LossFn,
-    budget: str | int,
+    budget: str | int | Budget,
     optimizer: torch.optim.Optimizer | None,
     precision: PrecisionChoice,
     ctx: DistContext,

@@ -44,7 +44,7 @@ from memfit.app.run_report import (
 )
 from memfit.app.setup import build_run, check_run
 from memfit.errors import StateError
-from memfit.records import StepMetrics
+from memfit.records import Plan, StepMetrics
 from memfit.trainer.callbacks import MetricsLog, SaveState, read_metrics
 from memfit.trainer.distributed import DistContext, init_distributed, shutdown_distributed
 from memfit.trainer.signals import graceful_stop
@@ -78,6 +78,7 @@ def train_from_config(
     overwrite: bool = False,
     *,
     overrides: Sequence[str] | None = None,
+    plan: Plan | None = None,
 ) -> TrainRun:
     """Train as ``cfg`` says; ``resume`` is ``"auto"`` or a state file to continue from.
 
@@ -88,6 +89,8 @@ def train_from_config(
     (:mod:`memfit.trainer.signals`; ``trainer.stop_reason`` says which).
     When resuming with ``overrides`` (``--set`` options of a command line without a config
     file), the run goes on with its saved config plus those (see :mod:`memfit.app.resume`).
+    With ``plan`` (``memfit train --plan``) the run trains with that decision as it is: nothing is
+    profiled or planned, and a plan made for another model, batch or device is refused.
 
     Returns:
         A :class:`TrainRun` with the trainer, every step's metrics and the files written.
@@ -105,15 +108,14 @@ def train_from_config(
                 [f"{where} holds a run stopped before it saved any state; it starts again from step 0"]
             )
         cfg = resumed.cfg if resumed is not None else cfg
-    device = check_run(cfg, resume, overwrite)
+    device = check_run(cfg, resume, overwrite, plan=plan)
     out = Path(cfg.train.out)
-    # Note [checks before the group]
     # Every rank checks the files above before joining the process group, so no rank can
     # have written anything yet.
     dist_ctx, device = init_distributed(cfg.train.distributed, device)
     finished = False
     try:
-        run = _train_joined(cfg, resumed, out, device, dist_ctx, progress, echo)
+        run = _train_joined(cfg, resumed, out, device, dist_ctx, progress, echo, plan)
         finished = True
         return run
     finally:
@@ -128,11 +130,12 @@ def _train_joined(
     dist_ctx: DistContext,
     progress: bool | None,
     echo: Callable[[str], None],
+    plan: Plan | None = None,
 ) -> TrainRun:
     """The run once this process has joined its process group (if any): build, fit, report."""
     if not dist_ctx.is_main:
         echo, progress = (lambda _line: None), False
-    built = build_run(cfg, device, dist_ctx, progress)
+    built = build_run(cfg, device, dist_ctx, progress, plan)
     trainer = built.trainer
     resumed_from = None
     if resumed is not None:
@@ -188,7 +191,7 @@ def _train_joined(
         settings["frozen base"] = built.base_text
     where = (resumed.path, resumed_from) if resumed is not None and resumed_from is not None else None
     notes = run_notes(trainer, where, resumed.notes if resumed else [], watch) + ranks
-    notes += [f"planning: {m}" for m in built.plan.measured] if built.plan is not None else []
+    notes += [f"planning: {m}" for m in built.plan.report.measured] if built.plan is not None else []
     plots, failed = write_plots(out, history, trainer, built.budget, f"memfit train: {cfg.model.name}")
     files.update(plots)
     images = [files[k].name for k in ("loss", "memory") if k in files]

@@ -21,8 +21,9 @@ Example:
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,11 +34,11 @@ from memfit.app.config import Config
 from memfit.app.data import BatchSampler, ByteCorpus, SyntheticBatches
 from memfit.app.dist_plan import plan_for_ranks
 from memfit.app.schedule import lr_schedule
-from memfit.apply import apply
+from memfit.applying import apply, check_made_for
 from memfit.budget import Budget, format_bytes
 from memfit.check.guards import GuardConfig
 from memfit.checkpointing import checkpoint, checkpointed_blocks, find_blocks
-from memfit.devices import resolve_device, room
+from memfit.devices import model_device, resolve_device, room
 from memfit.errors import ConfigError
 from memfit.models.spec import ModelSpec
 from memfit.outputs import check_output_dir
@@ -56,21 +57,22 @@ from memfit.vocab import normalize_mode
 __all__ = ["BuiltRun", "build_run", "check_run"]
 
 
-def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
+def check_run(cfg: Config, resume: str | None, overwrite: bool, plan: Plan | None = None) -> torch.device:
     """Refuse what can be refused before anything is built or written; returns the device.
 
     Raises:
         ConfigError: ``train.out`` is a file, cannot be written, or already holds a run
-            (without ``resume`` or ``overwrite``); the device is not here;
-            ``checkpointing = "auto"`` lacks a budget, or the budget is more than the device
-            has room for; or ``model.lora.base`` needs torchao, which is not installed.
+            (without ``resume`` or ``overwrite``); the device is not here (or not the one
+            ``plan`` was made on); ``checkpointing = "auto"`` lacks a budget (and no plan is
+            given), or the budget is more than the device has room for; or
+            ``model.lora.base`` needs torchao, which is not installed.
         StateError: the state key cannot be read or made.
     """
     why = base_refusal(cfg.model.lora)
     if why is not None:
         raise ConfigError(why)
     out = check_output_dir(cfg.train.out, "train.out")
-    if cfg.memory.checkpointing == "auto" and not cfg.memory.budget:
+    if cfg.memory.checkpointing == "auto" and not cfg.memory.budget and plan is None:
         raise ConfigError(
             'memory.checkpointing = "auto" plans to a budget: set memory.budget, e.g. "60%" or "2GiB".'
         )
@@ -81,6 +83,9 @@ def check_run(cfg: Config, resume: str | None, overwrite: bool) -> torch.device:
         )
     state_key()  # a key that cannot be read is refused now, not at the first save
     device = resolve_device(cfg.train.device)
+    if plan is not None:
+        check_made_for(plan, device=device)
+        return device  # the plan decides: the config's budget is not planned to
     budget = Budget.parse(cfg.memory.budget, what="memory.budget") if cfg.memory.budget else None
     if budget is not None and budget.bytes is not None:  # nothing is built yet: all of it is room
         refuse_over_room(budget.bytes, budget, room(device), 0, device)
@@ -123,12 +128,14 @@ def _data(cfg: Config, spec: ModelSpec) -> tuple[Any, list[Any], str]:
     return sampler, val_batches, f"{corpus.source} ({format_bytes(size)}, byte-level)"
 
 
-def _describe_plan(chosen: Plan) -> str:
+def _describe_plan(chosen: Plan, given: bool) -> str:
     counts = mode_counts(chosen.blocks.values())
     modes = ", ".join(f"{n} {m}" for m, n in sorted(counts.items())) or "no blocks"
+    levers = f"; levers {', '.join(chosen.levers)}" if chosen.levers else ""
+    how = "the plan given (--plan), made" if given else "planned"
     return (
-        f"planned to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es); "
-        f"predicted peak {format_bytes(chosen.predicted_peak_bytes)})"
+        f"{how} to {format_bytes(chosen.budget_bytes)} ({modes}; {chosen.micro_batches} micro-batch(es)"
+        f"{levers}; predicted peak {format_bytes(chosen.predicted_peak_bytes)})"
     )
 
 
@@ -163,11 +170,31 @@ def _plan(
     return plan(model, batch, spec.loss_fn, budget, opt, precision, profiles=profiles)
 
 
-def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress: bool | None) -> BuiltRun:
+def _decided(
+    cfg: Config, model: torch.nn.Module, batch: Any, given: Plan | None, plan_it: Callable[[], Plan | None]
+) -> tuple[Plan | None, str]:
+    """The plan to train with and how to describe it: ``given`` as it is (checked against this
+    model, batch and device; nothing profiled), else ``plan_it()`` (None: the config's own
+    checkpointing, applied here)."""
+    if given is not None:
+        check_made_for(given, model=model, batch=batch, device=model_device(model))
+        return given, _describe_plan(given, given=True)
+    chosen = plan_it()
+    if chosen is None:
+        return None, _apply_checkpointing(model, cfg.memory.checkpointing)
+    return chosen, _describe_plan(chosen, given=False)
+
+
+def build_run(
+    cfg: Config, device: torch.device, dist_ctx: DistContext, progress: bool | None, plan: Plan | None = None
+) -> BuiltRun:
     """Seed, then build data, model, optimizer, checkpointing (or plan) and the Trainer.
 
+    With ``plan`` (``memfit train --plan``) nothing is planned: the Trainer applies it as it is.
+
     Raises:
-        MemfitError: a bad data path, model factory, or a budget nothing fits (one sentence).
+        MemfitError: a bad data path, model factory, a budget nothing fits, or a plan made for
+            another model, batch or device (one sentence).
     """
     budget_text = cfg.memory.budget
     # A percentage is of the fp32 no-checkpointing peak: the planner measures it.
@@ -183,20 +210,25 @@ def build_run(cfg: Config, device: torch.device, dist_ctx: DistContext, progress
     opt = cfg.optimizer.make(model.parameters())
     profiles: dict[str, Profile] = {}
     with configured(quiet=True) if progress is False else nullcontext():  # --quiet: no planning lines
-        chosen = _plan(cfg, model, sampler, spec, opt, dist_ctx, profiles)
+        chosen, ckpt_text = _decided(
+            cfg,
+            model,
+            sampler.batch_at(0),
+            plan,
+            lambda: _plan(cfg, model, sampler, spec, opt, dist_ctx, profiles),
+        )
     if chosen is not None:
-        apply(model, chosen)
-        budget = chosen.budget_bytes
+        budget = chosen.budget_bytes or None
         precision = Precision(chosen.precision, device=device, fp32_modules=cfg.memory.fp32_modules)
-        ckpt_text = _describe_plan(chosen)
-    else:
-        ckpt_text = _apply_checkpointing(model, cfg.memory.checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     model_name = type(model).__name__
     if dist_ctx.active:
         # Note [wrap after checkpointing]
         # Wrap after checkpointing (fully_shard keeps the blocks' forward overrides) and build
-        # the optimizer after wrapping (FSDP2 replaces the parameters with DTensors).
+        # the optimizer after wrapping (FSDP2 replaces the parameters with DTensors); the
+        # Trainer applies the rest of the plan to that optimizer.
+        if chosen is not None:
+            apply(model, replace(chosen, levers=[], lever_settings={}))
         model = wrap_model(model, dist_ctx, find_blocks(model))
         opt = cfg.optimizer.make(model.parameters())
     trainer = Trainer(

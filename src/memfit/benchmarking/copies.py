@@ -68,7 +68,6 @@ def fresh_optimizer(template: OptimizerArg, original: nn.Module, model: nn.Modul
     for group in template.param_groups:
         settings = {k: v for k, v in group.items() if k != "params"}
         groups.append({**settings, "params": [params[index[id(p)]] for p in group["params"]]})
-    # Note [only the constructor's own keywords]
     # ``defaults`` may hold keys the constructor does not take (AdamW's
     # ``decoupled_weight_decay``); every group already carries its own settings, so only
     # the constructor's own keywords are passed, for optimizers whose lr has no default.

@@ -26,7 +26,7 @@ from typing import cast
 import torch
 from torch import nn
 
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.benchmarking.strategies import Strategy
 from memfit.devices import model_device
 from memfit.errors import InfeasibleBudget
@@ -41,7 +41,7 @@ __all__ = ["plan_strategy", "planner_strategies"]
 
 
 def _apply(chosen: Plan, model: nn.Module, batch: Batch, loss_fn: LossFn) -> nn.Module:
-    return apply(model, chosen)
+    return apply(model, chosen).model
 
 
 def plan_strategy(chosen: Plan, name: str) -> Strategy:

@@ -124,7 +124,6 @@ def install_sequential(
         except ConfigError as exc:  # a segment's later block is not called as the chain's next
             uninstall_sequential(model)
             raise NotSequential(str(exc).rstrip(".")) from None
-        # Note [a reused intermediate output]
         # A model that uses an intermediate block's output elsewhere (a U-Net skip) passes the
         # probe, but a segment hands the later blocks its last output: the loss changes.
         if not torch.allclose(routed.float(), reference.float(), rtol=1e-5, atol=1e-6):

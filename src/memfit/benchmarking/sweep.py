@@ -53,7 +53,7 @@ from memfit.measuring.memory import tracked_step
 from memfit.measuring.phases import optimizer_state_bytes, phased_step
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.twin import make_twin, twin_precision
-from memfit.precision import Precision
+from memfit.precision import Precision, precision_kind
 from memfit.progress import configured, phase
 from memfit.records import BenchPoint
 from memfit.step import Batch, LossFn, training_step
@@ -242,10 +242,9 @@ def _runs(chosen: Sequence[Strategy], device: torch.device) -> list[_Run]:
 def _wanted(runs: Sequence[_Run], device: torch.device, steps: int, slow_steps: int | None) -> dict[str, int]:
     """Timed steps per strategy: ``slow_steps`` for precisions the device only emulates."""
     facts = device_facts(device)
-    native = {"fp32": True, "bf16": facts.bf16_native, "fp16": facts.fp16_native}
     return {
         r.point.strategy: steps
-        if native.get(r.strategy.precision, True) or slow_steps is None
+        if precision_kind(r.strategy.precision).native(facts) or slow_steps is None
         else slow_steps
         for r in runs
     }

@@ -116,7 +116,6 @@ class OverflowWatch:
             if found is None:
                 return
             self._forward.append((name, found[1], found[0]))
-            # Note [tensor hooks, not full backward hooks]
             # The backward hooks are tensor hooks on module outputs, not
             # ``register_full_backward_hook``: full backward hooks wrap outputs in a custom
             # autograd Function, and a model that then modifies an output in place

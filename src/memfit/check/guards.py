@@ -255,7 +255,7 @@ class Guard:
     def _fallback(self, model: nn.Module, precision: Precision, nf: NonFinite | None) -> Precision | None:
         named = nf is not None and nf.module not in ("(model)", "<loss>")
         if (
-            precision.mode == "fp16"
+            precision.kind.loss_scaled  # fp16: fall back to bf16, which needs no loss scaling
             and self.config.fallback_to != "fp32_modules"
             and precision.facts.bf16_runs
         ):

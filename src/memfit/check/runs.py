@@ -31,16 +31,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from memfit.applying import apply, remove_levers
 from memfit.check.attribution import OverflowWatch, grad_underflow_fractions
-from memfit.checkpointing import set_block_modes
 from memfit.errors import ConfigError
-from memfit.levers.apply import apply_levers, remove_levers
 from memfit.levers.frozen import frozen_params
 from memfit.precision import Precision
 from memfit.progress import phase
 from memfit.records import ModuleRange, NonFinite, Plan, RunCurve
 from memfit.step import Batch, LossFn, training_step
-from memfit.vocab import PrecisionName
+from memfit.vocab import PrecisionName, normalize_modes
 
 __all__ = ["CheckRunner", "OptimizerFn", "RunResult", "finite", "flat_params"]
 
@@ -144,14 +143,12 @@ class CheckRunner:
         levers: Sequence[str] = (),
     ) -> RunResult:
         """One training run; ``skip`` names steps that update nothing (an fp16 run's skipped steps);
-        ``levers`` (:mod:`memfit.levers`) are applied to its model and optimizer."""
+        ``blocks`` and ``levers`` (:mod:`memfit.applying`) are applied to its model and optimizer."""
         model = self.build()
-        if blocks:
-            set_block_modes(model, blocks)
         precision = Precision(mode, device=self.device)
-        optimizer = self.optimizer_fn(model.parameters())
-        if levers:
-            optimizer = apply_levers(model, optimizer, Plan(blocks={}, precision=mode, levers=list(levers)))
+        run = Plan(blocks=normalize_modes(blocks or {}), precision=mode, levers=list(levers))
+        optimizer = apply(model, run, self.optimizer_fn(model.parameters())).optimizer
+        assert optimizer is not None
         clip: float | None = self.clip_norm if self.clip_norm else math.inf  # inf: norms measured only
         if not self.clip_norm and "fused_step" in levers and "selective" in (blocks or {}).values():
             clip = None  # a fused step measures norms with a second backward, which SAC refuses
@@ -185,7 +182,6 @@ class CheckRunner:
                 ph.advance()
                 scaled = precision.scaler.is_enabled()
                 if found is not None and first is None and not (scaled and found.phase == "backward"):
-                    # Note [an fp16 gradient's overflow is no error]
                     # With fp16, a non-finite *scaled gradient* is how GradScaler finds
                     # its scale; the step is skipped and nothing is lost. Forward and loss
                     # overflows are real: loss scaling cannot repair them.
@@ -203,7 +199,7 @@ class CheckRunner:
         curve.eval_loss = self.evaluate(model, eval_batches)
         modules: list[ModuleRange] = []
         scale = float(precision.scaler.get_scale()) if precision.scaler.is_enabled() else 1.0
-        if mode == "fp16":
+        if precision.kind.loss_scaled:  # fp16: which modules' gradients underflow the scale
             half = [n for n, (dtype, _) in watch.ranges.items() if dtype == "float16"]
             last = _to(self.batches[order[-1]], self.device)
             under = grad_underflow_fractions(model, last, self.loss_fn, scale, half)

@@ -33,13 +33,12 @@ from typing import cast
 import torch
 from torch import nn
 
-from memfit.apply import check_plan_fits
+from memfit.applying import check_plan_fits, normalize_levers
 from memfit.check.runs import CheckRunner, OptimizerFn, RunResult, finite, flat_params
 from memfit.check.verdict import Thresholds, judge, worst
 from memfit.devices import DeviceFacts, device_facts
 from memfit.errors import ConfigError, UnsupportedPrecision
-from memfit.levers.spec import normalize_levers
-from memfit.precision import Precision
+from memfit.precision import Precision, precision_kind
 from memfit.progress import configured, phase
 from memfit.records import Plan, PrecisionCheck, StabilityReport
 from memfit.step import Batch, LossFn
@@ -52,8 +51,7 @@ def hardware_facts(facts: DeviceFacts, precisions: Sequence[str]) -> list[str]:
     """What the check's result depends on about this device, in words."""
     lines = [f"device: {facts.name}, {facts.description}"]
     for p in precisions:
-        native = {"bf16": facts.bf16_native, "fp16": facts.fp16_native}.get(p, True)
-        if native:
+        if precision_kind(p).native(facts):
             lines.append(f"{p} runs natively on this device: the numerics checked are the ones training gets")
         else:
             lines.append(
@@ -191,7 +189,6 @@ def _check_precision(
     skipped = frozenset(i for i, k in enumerate(run.curve.skipped, start=1) if k)
     base, twin = r.ref, None
     if skipped and len(skipped) <= s.thresholds.fail_skip_fraction * s.steps:
-        # Note [judging against an fp32 run with the same skips]
         # A skipped step is the loss scaler working, not an arithmetic error, but early in
         # training one lost update can move the loss far (loss spikes). So the numbers
         # compare with an fp32 run that skips the same steps; the skips themselves are
@@ -283,7 +280,7 @@ def check_stability(
         checker = CheckRunner(model_fn, batches, loss_fn, optimizer_fn, dev, seed, clip_norm)
         first = checker.build()
         if plan is not None:
-            check_plan_fits(first, plan)
+            check_plan_fits(first, plan, levers=False)  # the runs apply the levers themselves
         start = flat_params(first)
         r = _reference(checker, s)
         results: dict[str, PrecisionCheck] = {p: _check_precision(checker, s, r, p, start) for p in checked}

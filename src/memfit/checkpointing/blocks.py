@@ -171,7 +171,6 @@ def _candidates(tree: _Tree) -> tuple[set[Any], set[Any]]:
     found: dict[Any, list[nn.Module]] = {}
     for items in tree.sequences():
         for run in _runs(items):
-            # Note [bare layers are not blocks]
             # Two bare layers side by side as attributes (``self.fc1``, ``self.fc2``) are a
             # model's own layers, not repeated blocks; in a container they may be.
             if all(tree.height[id(m)] == 0 and id(m) in tree.attributes for m in run):
@@ -223,7 +222,6 @@ def _stage_shape(tree: _Tree, kind: Any, inner_kinds: set[Any]) -> tuple[float, 
 
 
 def _select(tree: _Tree, top: set[Any], lower: set[Any]) -> set[Any]:
-    # Note [stages and blocks]
     # A candidate is a stage when other candidates hold 90% of its content (a stage of
     # blocks after a small down-sampling layer). A block can also hold a run of smaller
     # candidates (MaxViT: a conv block, then window and grid attention), up to ~85% of it;

@@ -1,16 +1,16 @@
 """Facts about third-party model objects, found without importing their libraries.
 
-Checkpointing must know a few things about Hugging Face models: whether their own gradient
-checkpointing is on, which of a block's arguments are caches that a forward pass appends
-to, and which classes Hugging Face itself checkpoints. They are read here from class names
-and attributes, so ``memfit.checkpointing`` depends on nothing in ``memfit.integrations``
-(which builds on this module, one way) and works whether or not ``transformers`` is
-installed.
+Checkpointing must know a few things about Hugging Face models: whether their own activation
+checkpointing is on (and how it was turned on, to name it back), which of a block's
+arguments are caches that a forward pass appends to, and which classes Hugging Face itself
+checkpoints. They are read here from class names and attributes, so ``memfit.checkpointing``
+depends on nothing in ``memfit.integrations`` (which builds on this module, one way) and
+works whether or not ``transformers`` is installed.
 
 Example:
     >>> from torch import nn
-    >>> hf_checkpointing_active(nn.Linear(2, 2))
-    False
+    >>> hf_checkpointing_active(nn.Linear(2, 2)), hf_checkpointing_call(nn.Linear(2, 2))
+    (False, '')
     >>> without_caches((1,), {"use_cache": True, "past_key_values": object()})
     ((1,), {'use_cache': False, 'past_key_values': None}, ['use_cache', 'past_key_values'])
     >>> class Layer(nn.Module):
@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import inspect
+import sys
 from typing import Any
 
 from torch import nn
@@ -30,6 +32,9 @@ from torch import nn
 __all__ = [
     "hf_block_classes",
     "hf_checkpointing_active",
+    "hf_checkpointing_call",
+    "hf_checkpointing_off_call",
+    "hf_checkpoints_calls",
     "is_hf_cache",
     "peft_not_recomputable",
     "without_caches",
@@ -106,7 +111,8 @@ def without_caches(
 
 
 def hf_checkpointing_active(model: nn.Module) -> bool:
-    """Whether Hugging Face's ``gradient_checkpointing_enable()`` is on for ``model``."""
+    """Whether Hugging Face's own checkpointing (``activation_checkpointing_enable()``, formerly
+    ``gradient_checkpointing_enable()``) is on for ``model``."""
     for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
         value = getattr(type(model), attr, None)
         if isinstance(value, property):
@@ -114,9 +120,88 @@ def hf_checkpointing_active(model: nn.Module) -> bool:
     return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
+def _new_spelling() -> bool:
+    """Whether the ``transformers`` in use spells it ``activation_checkpointing`` (5.24 and newer; its
+    ``gradient_checkpointing*`` names are deprecated aliases, removed in v6). Not imported here: a
+    Hugging Face model means it is imported already."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    base = getattr(modeling, "PreTrainedModel", None)
+    return base is None or hasattr(base, "activation_checkpointing_enable")
+
+
+def _hf_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")]
+
+
+def _offloads(func: Any) -> bool:
+    """Whether Hugging Face's checkpoint function ``func`` runs under ``save_on_cpu`` (``offload=True``)."""
+    inner = func.func if isinstance(func, functools.partial) else func
+    return "save_on_cpu" in getattr(getattr(inner, "__code__", None), "co_names", ())
+
+
+def _every_n_layers(flags: list[bool]) -> int:
+    """The ``every_n_layers`` that checkpoints the layers ``flags`` marks (layer 0, n, 2n, ...)."""
+    on = [i for i, flag in enumerate(flags) if flag]
+    if len(on) >= 2:
+        return on[1] - on[0]
+    return len(flags) if len(on) == 1 and len(flags) > 1 else 1
+
+
+def hf_checkpointing_call(model: nn.Module) -> str:
+    """The call that turned Hugging Face's own checkpointing on for ``model``, as its
+    ``transformers`` spells it, or ``""`` when it is off.
+
+    transformers 5.24 and newer: ``activation_checkpointing_enable()``, with ``every_n_layers=``
+    and ``offload=True`` when they were given (read off the layers); older releases:
+    ``gradient_checkpointing_enable()``.
+
+    Example:
+        >>> hf_checkpointing_call(nn.Linear(2, 2))
+        ''
+    """
+    if not hf_checkpointing_active(model):
+        return ""
+    if not _new_spelling():
+        return "gradient_checkpointing_enable()"
+    layers = _hf_layers(model)
+    flags = [getattr(m, "gradient_checkpointing", False) is True for m in layers]
+    given = []
+    if _every_n_layers(flags) > 1:
+        given.append(f"every_n_layers={_every_n_layers(flags)}")
+    if any(_offloads(getattr(m, "_gradient_checkpointing_func", None)) for m in model.modules()):
+        given.append("offload=True")
+    return f"activation_checkpointing_enable({', '.join(given)})"
+
+
+def hf_checkpointing_off_call(model: nn.Module) -> str:
+    """The call that turns Hugging Face's own checkpointing off, as the installed ``transformers``
+    spells it (``model`` is the model it is said of).
+
+    Example:
+        >>> hf_checkpointing_off_call(nn.Linear(2, 2))
+        'activation_checkpointing_disable()'
+    """
+    return "activation_checkpointing_disable()" if _new_spelling() else "gradient_checkpointing_disable()"
+
+
+def hf_checkpoints_calls(module: nn.Module) -> bool:
+    """Whether Hugging Face checkpoints each call of ``module`` itself now: a
+    ``GradientCheckpointingLayer`` whose flag is on, in training.
+
+    Example:
+        >>> hf_checkpoints_calls(nn.Linear(2, 2))
+        False
+    """
+    return (
+        getattr(module, "gradient_checkpointing", False) is True
+        and module.training
+        and _from_transformers(type(module), "GradientCheckpointingLayer")
+    )
+
+
 def hf_block_classes(model: nn.Module) -> set[type[nn.Module]]:
     """Classes in ``model`` that Hugging Face checkpoints itself (``GradientCheckpointingLayer``)."""
-    return {type(m) for m in model.modules() if _from_transformers(type(m), "GradientCheckpointingLayer")}
+    return {type(m) for m in _hf_layers(model)}
 
 
 #: peft methods whose trained prefix reaches every layer through the cache (``past_key_values``).

@@ -31,13 +31,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memfit.checkpointing.blocks import resolve_blocks
 from memfit.checkpointing.buffers import buffer_contexts
-from memfit.checkpointing.hf import hf_checkpointing_active, peft_not_recomputable, without_caches
+from memfit.checkpointing.hf import (
+    hf_checkpointing_call,
+    hf_checkpointing_off_call,
+    hf_checkpoints_calls,
+    peft_not_recomputable,
+    without_caches,
+)
 from memfit.checkpointing.layers import forward_layers, set_forward_layer
-from memfit.checkpointing.policy import selective_policy
+from memfit.checkpointing.policy import selective_contexts
 from memfit.checkpointing.recompute import run_checkpointed
 from memfit.errors import ConfigError
 from memfit.vocab import CheckpointMode, normalize_mode, normalize_modes
@@ -73,12 +78,14 @@ def _checkpointed_forward(inner: Callable[..., Any], layer: BlockLayer, *args: A
     module = layer.module
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)  # inference (generation): the block runs as written
+    if hf_checkpoints_calls(module):
+        raise ConfigError(_checkpointed_twice(module))
     args, kwargs, changed = without_caches(args, kwargs, module)
     if changed and type(module) not in _TOLD:
         _TOLD.add(type(module))
         _log.warning(
             "memfit: %s is checkpointed, so its cache is turned off while training (%s), as "
-            "Hugging Face's gradient checkpointing does.",
+            "Hugging Face's activation checkpointing does.",
             type(module).__name__,
             ", ".join(changed),
         )
@@ -106,7 +113,7 @@ def checkpoint_contexts(module: nn.Module, mode: CheckpointMode = "full") -> tup
     """
     fwd_buffers, rec_buffers = buffer_contexts(module)
     if mode == "selective":
-        fwd, rec = create_selective_checkpoint_contexts(selective_policy)
+        fwd, rec = selective_contexts()
         return _with(fwd_buffers, fwd), _Each(rec_buffers, rec)
     return fwd_buffers, rec_buffers
 
@@ -139,22 +146,45 @@ def refuse_double_checkpointing(model: nn.Module) -> None:
     the model's blocks cannot be recomputed as they ran (peft's prefix tuning).
 
     Raises:
-        ConfigError: ``model.gradient_checkpointing_enable()`` was called on ``model``, or it is
-            a peft model whose method cannot run again in a recompute (prefix tuning, activated LoRA).
+        ConfigError: ``model.activation_checkpointing_enable()`` (or the older
+            ``gradient_checkpointing_enable()``) was called on ``model``, named back as it was
+            called; or it is a peft model whose method cannot run again in a recompute (prefix
+            tuning, activated LoRA).
     """
-    if hf_checkpointing_active(model):
-        raise ConfigError(
-            "Hugging Face gradient checkpointing is on for this model (gradient_checkpointing_enable()), "
-            "so memfit will not checkpoint its blocks a second time: call "
-            "model.gradient_checkpointing_disable() to let memfit choose per block, or keep "
-            "Hugging Face's and do not call memfit.checkpoint / memfit.apply."
-        )
+    call = hf_checkpointing_call(model)
+    if call:
+        raise ConfigError(_double_checkpointing(call, hf_checkpointing_off_call(model)))
     why = peft_not_recomputable(model)
     if why:
         raise ConfigError(
             f"{why}, so memfit cannot checkpoint this model: train it without checkpointing "
             '(memory.checkpointing = "none"), or use LoRA, DoRA or prompt tuning, whose layers recompute.'
         )
+
+
+def _checkpointed_twice(module: nn.Module) -> str:
+    """The sentence for a block Hugging Face started checkpointing after memfit did."""
+    # Hugging Face's GradientCheckpointingLayer checks its flag on every call and, when set,
+    # runs the whole call (and so memfit's checkpointed forward) inside its own checkpoint.
+    call = hf_checkpointing_call(module).split("(", 1)[0]
+    what = call.split("_checkpointing", 1)[0]
+    return (
+        f"Hugging Face {what} checkpointing was turned on for {type(module).__name__} after memfit "
+        f"checkpointed it (model.{call}(), or TrainingArguments({what}_checkpointing=True)), and the two "
+        f"would recompute it twice: turn Hugging Face's off (model.{hf_checkpointing_off_call(module)}) "
+        "or memfit's (memfit.uncheckpoint(model))."
+    )
+
+
+def _double_checkpointing(call: str, off: str) -> str:
+    """The sentence that refuses to checkpoint a model Hugging Face checkpoints (``call``)."""
+    what = call.split("_checkpointing", 1)[0]  # "activation" or "gradient", as the user wrote it
+    offload = ", whose offload to host memory memfit's plan does not count" if "offload=True" in call else ""
+    return (
+        f"Hugging Face {what} checkpointing is on for this model (model.{call}){offload}, so memfit will "
+        f"not checkpoint its blocks a second time: call model.{off} to let memfit choose per block, or "
+        "keep Hugging Face's and do not call memfit.checkpoint / memfit.apply."
+    )
 
 
 def set_block_modes(model: nn.Module, modes: Mapping[str, str]) -> nn.Module:

@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from memfit.checkpointing.buffers import WrittenBuffers
-from memfit.checkpointing.policy import compiled_contexts, selective_policy, selective_saves
+from memfit.checkpointing.policy import compiled_contexts, selective_contexts, selective_saves
 from memfit.checkpointing.writes import storage_key, written_by
 from memfit.devices import model_device
 from memfit.errors import CheckpointError
@@ -366,7 +366,6 @@ def run_checkpointed(
     device = next((t.device for t in _tensors((args, kwargs))), None)
     if device is None:
         device = model_device(module)
-    # Note [the anchor tensor]
     # The inputs reach the recompute through ``call``, not through checkpoint's own arguments
     # (it would refuse inputs the block itself overwrote). An empty tensor on the inputs'
     # device still tells checkpoint which device's RNG and autocast state to replay.
@@ -385,7 +384,6 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     """``context_fn``: PyTorch enters the first context around the forward and the second
     around the recompute in backward (with the forward's RNG and autocast state restored).
     """
-    # Note [how the contexts stack]
     # Dispatch modes stack: the one entered last sees each op first, and what it passes on
     # (``func(*args)``) reaches the next one down.
     #   forward    _Watch, then SAC's caching mode (selective only): SAC decides what to keep
@@ -400,9 +398,7 @@ def _contexts(call: _BlockCall) -> tuple[Any, Any]:
     # See Note [grad-requiring copies]
     if not call.selective:
         return _forward(call, None), _Reentrant(functools.partial(_recompute, call, None))
-    caching, cached = _ckpt.create_selective_checkpoint_contexts(
-        selective_policy, allow_cache_entry_mutation=True
-    )
+    caching, cached = selective_contexts(allow_cache_entry_mutation=True)
     return _forward(call, caching), _Reentrant(functools.partial(_recompute, call, cached))
 
 

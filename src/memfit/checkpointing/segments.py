@@ -14,7 +14,7 @@ an error, never a silently different result.
 block k+1's first argument is block k's output (or its first element) and its other
 arguments are block k's.
 
-Trade-off: a segment's layers live on every block of it, so ``memfit.checkpointed_blocks``
+Trade-off: a segment's layers live on every block of it, so ``memfit.checkpointing.checkpointed_blocks``
 reports its blocks as ``full`` and ``memfit.uncheckpoint`` removes it like any other
 checkpointing.
 

@@ -10,7 +10,9 @@ Example:
     >>> cpu = DeviceFacts("cpu", "cpu", "CPU", 0, bf16_runs=True)
     >>> fp32 = BenchPoint("fp32/none", "fp32", "none", peak_bytes=100, step_seconds=1.0)
     >>> bf16 = BenchPoint("bf16/none", "bf16", "none", peak_bytes=60, step_seconds=0.5)
-    >>> "bf16/none fits" in bench_advice([fp32, bf16], 80, cpu)
+    >>> print(bench_advice([fp32, bf16], 80, cpu)[:75])
+    for a budget of 80 B (80 bytes), the fastest measured strategy that fits is
+    >>> "bf16/none (peak 60 B" in bench_advice([fp32, bf16], 80, cpu)
     True
 """
 
@@ -61,6 +63,22 @@ def _memory_only(
     return smallest if smallest in slow else None
 
 
+def _only_slow_fits(mem: BenchPoint, why: str, fast: Sequence[BenchPoint], budget: int) -> str:
+    """The answer when what fits the budget is slow here: it fits, and what it costs."""
+    smallest = min(fast, key=lambda p: (p.peak_bytes, p.step_seconds), default=None)
+    other = (
+        f"; none of the strategies fast here fits (the smallest is {smallest.strategy}, peak "
+        f"{format_bytes(smallest.peak_bytes)})"
+        if smallest is not None
+        else ""
+    )
+    return (
+        f"for a budget of {format_bytes(budget)} ({budget} bytes), the fastest measured strategy that fits "
+        f"is {mem.strategy} (peak {format_bytes(mem.peak_bytes)}, {mem.peak_ratio:.2f}x; step "
+        f"{mem.time_ratio:.2f}x of {mem.baseline}), but {why}: it saves memory, not time{other}."
+    )
+
+
 def bench_advice(points: Sequence[BenchPoint], budget: int | None, facts: DeviceFacts) -> str:
     """The bench's answer (:func:`memfit.benchmarking.pareto.recommendation`) among the strategies
     fast on this device, and the slow ones only for memory."""
@@ -71,7 +89,9 @@ def bench_advice(points: Sequence[BenchPoint], budget: int | None, facts: Device
     slow = [p for p in points if p.ok and p.strategy in why]
     line = recommendation(fast, budget) if fast else "no strategy that is fast here could be measured."
     mem = _memory_only(slow, fast, budget)
-    if mem is not None:
+    if mem is not None and budget is not None:
+        line = _only_slow_fits(mem, why[mem.strategy], fast, budget)
+    elif mem is not None:
         line += (
             f" For memory only: {mem.strategy} {'fits' if budget is not None else 'is the smallest'} "
             f"(peak {format_bytes(mem.peak_bytes)}, step {mem.time_ratio:.2f}x of {mem.baseline}), but "

@@ -92,6 +92,15 @@ def _levers(parser: argparse.ArgumentParser, help_text: str) -> None:
     parser.add_argument("--levers", default=None, metavar="NAMES", help=help_text)
 
 
+def _blocks(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--blocks",
+        metavar="NAMES",
+        help="the blocks to plan: comma-separated module names or a class name (default: the repeated "
+        "blocks memfit.find_blocks finds)",
+    )
+
+
 def _plan(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     parser.add_argument(
@@ -120,6 +129,7 @@ def _plan(parser: argparse.ArgumentParser) -> None:
         parser, "levers beyond activations the plan may use: comma-separated names or 'all' (default none)"
     )
     parser.add_argument("--verify", action="store_true", help="check the chosen levers against fp32")
+    _blocks(parser)
     parser.add_argument("--out", metavar="FILE", default="plan.json", help="where to write the plan")
     parser.add_argument("--no-check", action="store_true", help="do not measure the chosen plan")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -249,6 +259,7 @@ def _profile(parser: argparse.ArgumentParser) -> None:
         help="fp32, bf16, fp16 or auto (default: memory.precision of the config)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per mode (default 3)")
+    _blocks(parser)
     parser.add_argument("--device-memory", metavar="SIZE", help="memory to compare against, e.g. 24GiB")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON")
     parser.add_argument("--out", metavar="FILE", help="also write the profile as JSON to FILE")
@@ -268,6 +279,13 @@ def _train(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="start a new run even if train.out already holds one"
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="PLAN.json",
+        help="train with this plan (what memfit plan wrote) as it is, without planning again: its "
+        "checkpointing, precision, micro-batches and levers; refused if made for another model, batch "
+        "or device",
     )
     add_quiet_argument(parser, "no progress bar and no per-evaluation lines")
 

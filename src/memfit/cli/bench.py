@@ -58,7 +58,7 @@ def _configured_batch(args: argparse.Namespace) -> bool:
     return False
 
 
-def _check_budget(text: str | None) -> None:
+def _check_budget(text: Budget | str | None) -> None:
     """Refuse a malformed budget before minutes of measuring (a percentage is resolved later)."""
     if text is not None:
         Budget.parse(text, what="--budget")

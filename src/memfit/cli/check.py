@@ -10,23 +10,17 @@ import torch
 from memfit.app.build import build_model
 from memfit.app.config import Config
 from memfit.app.data import BatchSampler, ByteCorpus
-from memfit.apply import check_plan_fits
+from memfit.applying import check_plan_fits, normalize_levers
 from memfit.check.stability import check_stability
 from memfit.checkpointing import find_blocks
-from memfit.cli.common import config_from_args
+from memfit.cli.common import config_from_args, read_plan_file
 from memfit.devices import resolve_device
 from memfit.errors import ConfigError
-from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_dir
-from memfit.reading import read_bounded
 from memfit.records import Plan, StabilityReport
 from memfit.report.check_report import write_check_report
 from memfit.step import Batch
 from memfit.vocab import PrecisionName, normalize_modes, normalize_precision
-
-#: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
-MAX_PLAN_BYTES = 64 * 2**20
-
 
 __all__ = ["SMALL_MODEL", "check", "run"]
 
@@ -40,18 +34,10 @@ SMALL_MODEL = [
 ]
 
 
-def _read_plan(path: str) -> Plan:
-    data = read_bounded(path, "plan file", MAX_PLAN_BYTES, hint="give the path of a plan.json.")
-    try:
-        return Plan.from_json(data.decode("utf-8"))
-    except (ValueError, TypeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"plan file {path!r} is not a memfit plan: {str(exc).rstrip('.')}.") from None
-
-
 def _plan(cfg: Config, model: torch.nn.Module, path: str | None) -> Plan | None:
     if path is not None:
-        plan = _read_plan(path)
-        check_plan_fits(model, plan)  # a plan for another model is refused before any training
+        plan = read_plan_file(path)
+        check_plan_fits(model, plan, levers=False)  # a plan for another model is refused at once
         return plan
     mode = cfg.memory.checkpointing
     if mode == "none":
@@ -111,7 +97,7 @@ def check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}.")
     resolve_device(cfg.train.device)
     if args.plan is not None:
-        _read_plan(args.plan)
+        read_plan_file(args.plan)
     normalize_levers(args.levers)
     check_output_dir(args.out or cfg.train.out, "--out")
 

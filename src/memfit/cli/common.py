@@ -6,8 +6,14 @@ import argparse
 from collections.abc import Iterable, Mapping
 
 from memfit.app.config import Config, load_config
+from memfit.errors import ConfigError
+from memfit.reading import read_bounded
+from memfit.records import Plan
 
-__all__ = ["config_from_args", "zero_grads_note"]
+__all__ = ["MAX_PLAN_BYTES", "config_from_args", "read_plan_file", "zero_grads_note"]
+
+#: The largest plan file read (a plan is kilobytes; a profile-sized one, megabytes).
+MAX_PLAN_BYTES = 64 * 2**20
 
 # Note [the work is not lost]
 # A command that cannot write its output file (a full disk, a directory it may not write)
@@ -26,6 +32,19 @@ def config_from_args(args: argparse.Namespace, extra: list[str] | None = None) -
     cfg = load_config(getattr(args, "config", None), [*(extra or []), *args.overrides])
     args._config = cfg
     return cfg
+
+
+def read_plan_file(path: str) -> Plan:
+    """The plan in ``path`` (a ``plan.json`` ``memfit plan`` wrote, today's or an older one's).
+
+    Raises:
+        ConfigError: the file cannot be read or is not a memfit plan (one sentence).
+    """
+    data = read_bounded(path, "plan file", MAX_PLAN_BYTES, hint="give the path of a plan.json.")
+    try:
+        return Plan.from_json(data.decode("utf-8"))
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"plan file {path!r} is not a memfit plan: {str(exc).rstrip('.')}.") from None
 
 
 def zero_grads_note(breakdowns: Iterable[Mapping[str, int]]) -> str | None:

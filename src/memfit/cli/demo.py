@@ -24,9 +24,10 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import LRScheduler
 
+from memfit import progress
 from memfit.app.data import BatchSampler, ByteCorpus
 from memfit.app.schedule import lr_schedule
-from memfit.apply import apply
+from memfit.applying import apply
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import zero_grads_note
 from memfit.errors import ConfigError
@@ -48,7 +49,9 @@ _BATCH = 16
 _LR = 2e-3
 
 
-def _memory_saving_plan(model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: str) -> Plan:
+def _memory_saving_plan(
+    model: torch.nn.Module, batch: Any, opt: torch.optim.Optimizer, budget: Budget
+) -> Plan:
     """The planner's fastest plan under ``budget`` for the memfit run, applied to ``model``."""
     chosen = plan(model, batch, gpt_loss, budget, opt, precision="auto")
     apply(model, chosen)
@@ -66,8 +69,8 @@ def _describe(plan: Plan) -> str:
     counts = mode_counts(plan.blocks.values())
     parts = ", ".join(f"{mode} {n}" for mode, n in sorted(counts.items(), key=lambda kv: -kv[1]))
     budget = f" under {format_bytes(plan.budget_bytes)}" if plan.budget_bytes else ""
-    if plan.budget_bytes and plan.baseline_peak_bytes:
-        budget += f" ({plan.budget_bytes / plan.baseline_peak_bytes:.0%} of the fp32 peak)"
+    if plan.budget_bytes and plan.report.baseline_peak_bytes:
+        budget += f" ({plan.budget_bytes / plan.report.baseline_peak_bytes:.0%} of the fp32 peak)"
     micro = f", {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else ""
     blocks = f"{parts or 'no checkpointing'} of {len(plan.blocks)} blocks"
     return f"{plan.precision}, planned{budget}: {blocks}{micro}"
@@ -129,10 +132,12 @@ def run(args: argparse.Namespace) -> int:
         f"  baseline: fp32, no checkpointing, {args.baseline_steps} steps side by side with memfit\n"
         f"  memfit:   {_describe(plan)}, {args.steps} steps"
     )
-    for _ in range(args.baseline_steps):
-        batch = sampler.next_batch()
-        base.step(batch)
-        main.step(batch)
+    # the training bar counts on from these steps to --steps (Trainer.fit counts the model's steps)
+    with progress.phase("baseline and memfit side by side", total=args.baseline_steps) as ph:
+        for _ in ph.over(range(args.baseline_steps)):
+            batch = sampler.next_batch()
+            base.step(batch)
+            main.step(batch)
     main.fit(
         sampler,
         args.steps - args.baseline_steps,

@@ -15,17 +15,19 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+import torch
+
 from memfit.app.build import build_model
 from memfit.app.config import FROZEN_BASES, Config
+from memfit.applying import Site, allowed_levers, lever, missing_torchao_hint, normalize_levers, usable_levers
 from memfit.budget import format_bytes, parse_bytes
 from memfit.cli.advice import speed_order
 from memfit.cli.common import config_from_args, zero_grads_note
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, spec_for
 from memfit.devices import DeviceFacts, device_facts, resolve_device, slow_precisions
 from memfit.errors import ConfigError
-from memfit.levers.spec import allowed_levers, missing_torchao_hint, normalize_levers
 from memfit.measuring.estimate import estimate
-from memfit.planning.lever_sets import lever_profiles, smallest_with_levers, usable_levers
+from memfit.planning.lever_sets import lever_profiles, smallest_with_levers
 from memfit.records import Estimate, EstimateEntry, Profile
 from memfit.report.adapter_table import adapter_table
 from memfit.report.memory_tables import head_table, strategy_table, verdict_line
@@ -41,13 +43,6 @@ def check(args: argparse.Namespace) -> None:
         parse_bytes(args.device_memory, what="device memory")
     normalize_levers(args.levers)
     config_from_args(args)
-
-
-class _Named:
-    """Stands for the optimizer in lever refusals, which read only its family name."""
-
-    def __init__(self, name: str) -> None:
-        self.memfit_family = name
 
 
 def lever_line(est: Estimate, memory: int | None, refused: dict[str, str] | None = None) -> str:
@@ -85,17 +80,17 @@ def run(args: argparse.Namespace) -> int:
         optimizer_fn(cfg),
         device_memory=memory,
         precisions=args.precision or PRECISIONS,
-        levers=bool(args.levers) or lora,  # an adapter step's rows need the frozen weights' facts
+        # an adapter step's rows need the frozen weights' facts; with --device-memory, the
+        # levers are what can fit when nothing else does
+        levers=bool(args.levers) or lora or memory is not None,
     )
+    # Issue 37: the 7B estimate ended in "nothing fits in 80.00 GiB" without a word on what would
+    levers = args.levers or ("all" if memory is not None and _nothing_fits(est.ordered(), memory) else None)
     refused: dict[str, str] = {}
-    if args.levers:
-        # offload is left out: its bytes are not in the step model (and a CPU refuses it)
-        allowed, refused = allowed_levers(
-            [n for n in normalize_levers(args.levers) if n != "offload"],
-            device="cpu",
-            optimizer=None if est.optimizer == "none" else _Named(est.optimizer),  # type: ignore[arg-type]
-            precision="auto",
-        )
+    if levers:
+        # levers the planner does not choose (offload) are left out: their bytes are not in the step model
+        asked = [n for n in normalize_levers(levers) if lever(n).planned]
+        allowed, refused = allowed_levers(asked, Site(torch.device("cpu"), est.optimizer or "none", "auto"))
         est.with_levers = smallest_with_levers(est.profiles, allowed)
     if args.json:
         print(est.to_json())
@@ -129,13 +124,17 @@ def run(args: argparse.Namespace) -> int:
     if note:
         print(note)
     verdict = verdict_line(ordered, memory)
-    print(f"without levers, {verdict}" if args.levers else verdict)
-    if args.levers:
-        print(lever_line(est, memory, refused))
-        hint = missing_torchao_hint(args.levers)
+    print(f"without levers, {verdict}" if levers else verdict)
+    if levers:
+        print(lever_line(est, memory, refused) + ("" if args.levers else " (memfit estimate --levers all)"))
+        hint = missing_torchao_hint(levers)
         if hint is not None and est.with_levers is not None:
             print(f"{hint[0].upper()}{hint[1:]}.")
     return 0
+
+
+def _nothing_fits(entries: list[EstimateEntry], memory: int) -> bool:
+    return not any(e.peak_bytes <= memory for e in entries)
 
 
 def _smallest(prof: Profile, levers: list[str]) -> EstimateEntry:
@@ -162,8 +161,8 @@ class AdapterColumns:
 
 
 def adapter_columns(est: Estimate, chunked: bool) -> AdapterColumns | None:
-    """At bf16, the smallest uniform-mode step for each frozen base of
-    :data:`memfit.app.config.FROZEN_BASES` (each also with ``chunked_loss`` if ``chunked``); None
+    """At bf16, the smallest uniform-mode step for each of the config's frozen bases
+    (``FROZEN_BASES`` of :mod:`memfit.app.config`; each also with ``chunked_loss`` if ``chunked``); None
     when the estimate has no bf16 profile with lever facts (``memfit.estimate(levers=True)``).
 
     Example (what ``memfit estimate`` prints with ``--set model.lora.rank=16``):

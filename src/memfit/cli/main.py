@@ -4,12 +4,15 @@ The parser is built from :mod:`memfit.cli.arguments` (each subcommand's argument
 without torch); a subcommand's own module, ``memfit.cli.<cmd>``, is imported only when it
 runs. That module defines ``run(args) -> int`` and, when it takes inputs worth checking,
 ``check(args)``, which validates every input (config, numbers, budgets, output paths)
-before any work starts. User errors (:class:`memfit.errors.MemfitError`) are printed as one
-sentence and exit with code 2; argparse usage errors also exit with 2 (one line, no usage
-dump). Nothing is ever shown as a traceback: running out of memory and unexpected errors
-are one line too (``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a
-bug report). ``--quiet`` sets ``MEMFIT_QUIET=1`` while the command runs, which every
-progress report of memfit honours.
+before any work starts; the config path, the budget (parsed once, into a ``Budget``) and
+``--out`` are checked even before that, without torch (:mod:`memfit.cli.inputs`). User
+errors (:class:`memfit.errors.MemfitError`) are printed as one sentence and exit with code
+2; argparse usage errors also exit with 2 (one line, no usage dump). Nothing is ever shown
+as a traceback: running out of memory and unexpected errors are one line too
+(``MEMFIT_TRACEBACK=1`` shows the traceback of an unexpected error, for a bug report).
+``--quiet`` sets ``MEMFIT_QUIET=1`` while the command runs, which every progress report of
+memfit honours; ``-v`` sets ``MEMFIT_VERBOSE=1``, which lets through what dependencies print
+and memfit holds back (:mod:`memfit.levers.quiet`).
 
 Example:
     >>> parse_args(["plan", "--budget", "-1GB"]).budget
@@ -67,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         description="Train PyTorch models in less memory: measure, plan, apply, run, report.",
     )
     parser.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="also show what dependencies print that memfit holds back (torchao's kernels that did not "
+        "load, deprecation lines)",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=_Parser)
     for name, command in COMMANDS.items():
         p = sub.add_parser(name, help=command.help, description=command.help)
@@ -130,27 +140,33 @@ def _unexpected(command: str, exc: Exception) -> int:
 
 
 @contextlib.contextmanager
-def _quiet(on: bool) -> Iterator[None]:
-    """``MEMFIT_QUIET=1`` while the command runs (``--quiet``); the variable is restored after."""
-    before = os.environ.get("MEMFIT_QUIET")
+def _env_set(on: bool, name: str = "MEMFIT_QUIET") -> Iterator[None]:
+    """``name=1`` while the command runs (``MEMFIT_QUIET`` for ``--quiet``, ``MEMFIT_VERBOSE`` for
+    ``-v``); the variable is restored after."""
+    before = os.environ.get(name)
     if on:
-        os.environ["MEMFIT_QUIET"] = "1"
+        os.environ[name] = "1"
     try:
         yield
     finally:
         if on and before is None:
-            os.environ.pop("MEMFIT_QUIET", None)
+            os.environ.pop(name, None)
         elif on and before is not None:
-            os.environ["MEMFIT_QUIET"] = before
+            os.environ[name] = before
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, argv: Sequence[str] = ()) -> int:
+    from memfit import progress  # imports no torch
+    from memfit.cli.inputs import check_early  # imports no torch
     from memfit.errors import MemfitError
 
     try:
-        with _quiet(bool(getattr(args, "quiet", False))):
-            args._check(args)
-            return int(args._run(args))
+        quiet, verbose = bool(getattr(args, "quiet", False)), bool(getattr(args, "verbose", False))
+        with _env_set(quiet), _env_set(verbose, "MEMFIT_VERBOSE"):
+            check_early(args, argv)  # the config path, budget and --out, before torch
+            with progress.starting(f"{args.command}: importing torch and setting up"):
+                args._check(args)
+                return int(args._run(args))
     except MemfitError as exc:
         print(f"memfit {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -165,12 +181,13 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (argparse usage errors raise ``SystemExit(2)``)."""
+    words = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = _parse(argv)
+        args = _parse(words)
     except _BadCommandLine as exc:
         print(f"memfit: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    return _run(args)
+    return _run(args, words)
 
 
 if __name__ == "__main__":

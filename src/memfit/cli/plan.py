@@ -12,13 +12,12 @@ from __future__ import annotations
 import argparse
 
 from memfit.app.build import run_precision
+from memfit.applying import normalize_levers
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import config_from_args
 from memfit.cli.model_args import batch_for, describe, optimizer_fn, run_device, spec_for
 from memfit.errors import ConfigError
-from memfit.levers.spec import normalize_levers
 from memfit.outputs import check_output_file, marked_json, write_text
-from memfit.planning.choose import candidate_precisions
 from memfit.planning.largest_batch import resize_batch
 from memfit.planning.planner import plan
 from memfit.records import Plan
@@ -49,33 +48,37 @@ def _ratio(a: float, b: float) -> str:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse a bad config, budget, device or ``--out`` before the model is built."""
+    """Refuse a bad config, budget, device or ``--out`` before the model is built; the budget,
+    parsed here, is what :func:`run` plans to (``args.budget`` becomes a :class:`Budget`)."""
     cfg = config_from_args(args)
-    Budget.parse(_budget_text(args, cfg.memory.budget))
+    args.budget = _budget(args, cfg.memory.budget)
     normalize_levers(args.levers)
     run_device(cfg)
     check_output_file(args.out, "--out")
 
 
-def _budget_text(args: argparse.Namespace, configured: str) -> str:
-    """``--budget``, else the config's ``memory.budget``, else ``"device"``."""
-    return args.budget if args.budget is not None else (configured or "device")
+def _budget(args: argparse.Namespace, configured: str) -> Budget:
+    """``--budget``, else the config's ``memory.budget``, else ``"device"``, parsed (a Budget
+    already parsed is returned as it is)."""
+    given = args.budget if args.budget is not None else (configured or "device")
+    return given if isinstance(given, Budget) else Budget.parse(given)
 
 
 def run(args: argparse.Namespace) -> int:
     """Build the model, plan it under the budget, print the plan and write plan.json."""
     cfg = config_from_args(args)
-    budget = Budget.parse(_budget_text(args, cfg.memory.budget))
+    budget = _budget(args, cfg.memory.budget)
     precisions = args.precision or [run_precision(cfg)]
     device = run_device(cfg)
-    choose = candidate_precisions(precisions[0] if len(precisions) == 1 else precisions, device)
     spec = spec_for(cfg)
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
+    blocks = args.blocks.split(",") if args.blocks else None
+    choose = precisions[0] if len(precisions) == 1 else precisions
     result = plan(
         model, batch, spec.loss_fn, budget, opt, choose, check=not args.no_check, maximize=args.maximize,
-        levers=args.levers, verify=args.verify,
+        levers=args.levers, verify=args.verify, blocks=blocks,
     )  # fmt: skip
     try:
         write_text(args.out, marked_json("plan", result.to_dict()), "the plan")
@@ -85,12 +88,13 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(result.to_json())
         return 0
+    report = result.report
     print(
         f"{type(model).__name__} on {device}, batch "
         f"{describe(resize_batch(batch, result.batch_size) if args.maximize else batch)}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
-        f"{format_bytes(result.baseline_peak_bytes)}"
-        + (" (under fake tensors: it does not fit here)" if result.baseline_from != "tracked" else "")
+        f"{format_bytes(result.report.baseline_peak_bytes)}"
+        + (" (under fake tensors: it does not fit here)" if result.report.baseline_from != "tracked" else "")
     )
     print()
     print(plan_table(result))
@@ -100,19 +104,19 @@ def run(args: argparse.Namespace) -> int:
     print(f"precision      {result.precision}")
     print(f"micro-batches  {result.micro_batches} (effective batch unchanged)")
     if result.levers:
-        saved = ", ".join(f"{n} saves {format_bytes(b)}" for n, b in result.lever_savings.items())
+        saved = ", ".join(f"{n} saves {format_bytes(b)}" for n, b in result.report.lever_savings.items())
         print(f"levers         {', '.join(result.levers)} ({saved})")
     print(
         f"peak           predicted {format_bytes(result.predicted_peak_bytes)} "
-        f"({_ratio(result.predicted_peak_bytes, result.baseline_peak_bytes)} of the baseline)"
+        f"({_ratio(result.predicted_peak_bytes, result.report.baseline_peak_bytes)} of the baseline)"
         + (f", measured {format_bytes(result.measured_peak_bytes)}" if result.measured_peak_bytes else "")
     )
     print(
-        f"step time      predicted {_ratio(result.predicted_step_seconds, result.baseline_step_seconds)} "
+        f"step time      predicted {_ratio(report.predicted_step_seconds, report.baseline_step_seconds)} "
         "of the baseline"
     )
-    print(f"planned in     {result.planning_seconds:.1f} s, measuring:")
-    for line in result.measured:
+    print(f"planned in     {result.report.planning_seconds:.1f} s, measuring:")
+    for line in result.report.measured:
         print(f"  - {line}")
     for note in result.notes:
         print(f"note: {note}")

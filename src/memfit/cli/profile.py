@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     model = spec.model.to(device)
     batch = batch_for(spec, cfg, device)
     opt = optimizer_fn(cfg)(model.parameters())
-    prof = profile(model, batch, spec.loss_fn, opt, precision, repeats=args.repeats)
+    blocks = args.blocks.split(",") if args.blocks else None
+    prof = profile(model, batch, spec.loss_fn, opt, precision, repeats=args.repeats, blocks=blocks)
     if args.out:
         try:
             write_text(args.out, marked_json("profile", prof.to_dict()), "the profile")

@@ -14,7 +14,7 @@ from pathlib import Path
 from memfit.app.resume import resolve_resume
 from memfit.app.run import TrainRun, train_from_config
 from memfit.app.setup import check_run
-from memfit.cli.common import config_from_args
+from memfit.cli.common import config_from_args, read_plan_file
 from memfit.devices import resolve_device
 from memfit.trainer.distributed import end_worker_process
 from memfit.trainer.signals import exit_code
@@ -29,14 +29,17 @@ def _normalize(args: argparse.Namespace) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse a bad config, device, output directory or missing state before anything is built."""
+    """Refuse a bad config, device, output directory, plan file or missing state before anything
+    is built; the plan, read here, is what :func:`run` trains with (``args.plan`` becomes a Plan)."""
     _normalize(args)
     cfg = config_from_args(args)
+    if isinstance(args.plan, str):
+        args.plan = read_plan_file(args.plan)
     if args.resume:
         resolve_resume(args.resume, Path(cfg.train.out))  # the state itself is read once, by run
         resolve_device(cfg.train.device)
     else:
-        check_run(cfg, None, args.overwrite)
+        check_run(cfg, None, args.overwrite, plan=args.plan)
 
 
 def _resume_line(args: argparse.Namespace, result: TrainRun) -> str:
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         echo=(lambda _line: None) if args.quiet else print,
         overwrite=args.overwrite,
         overrides=list(args.overrides) if args.resume and args.config is None else None,
+        plan=args.plan,
     )
     code = exit_code(result.trainer.stop_reason)
     if code and result.trainer.dist.is_main:

@@ -26,18 +26,16 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit.precision import precision_kind
 from memfit.records import Plan
 
 __all__ = ["accelerator_kwargs"]
-
-#: memfit precision -> accelerate's ``mixed_precision``.
-_MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
 def accelerator_kwargs(plan: Plan) -> dict[str, Any]:
     """The ``accelerate.Accelerator`` arguments for ``plan``: ``mixed_precision`` and
     ``gradient_accumulation_steps``."""
     return {
-        "mixed_precision": _MIXED_PRECISION[plan.precision],
+        "mixed_precision": precision_kind(plan.precision).accelerate,
         "gradient_accumulation_steps": plan.micro_batches,
     }

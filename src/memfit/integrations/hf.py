@@ -9,9 +9,11 @@ config field. ``hf:PATH`` loads a model saved locally with ``save_pretrained``.
 
 Trade-off: memfit checkpoints per block by wrapping each decoder/encoder layer's forward,
 which lets a plan choose a mode per layer; Hugging Face's own
-``model.gradient_checkpointing_enable()`` is all-or-nothing. The two must not both run on
-one model (every layer would be recomputed twice), so memfit refuses to add its own on top
-of an active Hugging Face one and says which one is on (:func:`checkpointing_owner`).
+``model.activation_checkpointing_enable(every_n_layers=..., offload=...)`` (formerly
+``gradient_checkpointing_enable()``) checkpoints every n-th layer the same way. The two must
+not both run on one model (a layer would be recomputed twice), so memfit refuses to add its
+own on top of an active Hugging Face one, names the call back as it was made, and says which
+one is on (:func:`checkpointing_owner`).
 
 Example (with ``transformers`` installed; the tests run it in ``.venv-extras``):
     ``model = build_hf_causal_lm("llama", n_layer=2, n_embd=64, n_head=4, block_size=128)``,
@@ -152,7 +154,9 @@ def _load_local(transformers: Any, path: Path, vocab_size: int) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
         auto = transformers.AutoModelForMaskedLM if _is_encoder(config) else transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(path, local_files_only=True)
+        # transformers 5.25 loads Hugging Face hub kernels by default (use_kernels=None), which
+        # fetch code from the hub and replace layers; memfit trains the model as it was saved
+        model = auto.from_pretrained(path, local_files_only=True, use_kernels=False)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot load a Hugging Face model from {str(path)!r}: {exc}.") from None
     if config.vocab_size < vocab_size:
@@ -211,17 +215,20 @@ def prepare(
     model: nn.Module,
     args: Any,
     train_dataset: Any,
-    budget: int | str,
+    budget: int | str | None = None,
     data_collator: Any | None = None,
     precision: PrecisionChoice = "auto",
+    *,
+    plan: Any | None = None,
 ) -> Any:
     """Plan ``model`` for the Hugging Face ``Trainer``; returns the ``TrainingArguments`` to use.
 
     Profiles one real batch, plans to ``budget``, checkpoints the model's blocks as planned
     (turning ``use_cache`` off) and returns ``args`` with ``bf16``/``fp16``,
     ``per_device_train_batch_size`` and ``gradient_accumulation_steps`` from the plan (the
-    effective batch unchanged); see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
+    effective batch unchanged); given ``plan`` (a :class:`memfit.Plan` made before), it uses that
+    as it is, without profiling; see :func:`memfit.integrations.hf_trainer.prepare_trainer`.
     """
     from memfit.integrations.hf_trainer import prepare_trainer
 
-    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision)
+    return prepare_trainer(model, args, train_dataset, budget, data_collator, precision, plan=plan)

@@ -31,11 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.apply import apply
+from memfit.applying import apply, check_made_for
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import refuse_double_checkpointing
 from memfit.errors import ConfigError
 from memfit.planning.planner import plan
+from memfit.precision import PRECISION_KINDS, precision_kind
 from memfit.records import Plan
 from memfit.report.table import mode_counts
 from memfit.vocab import PrecisionChoice, normalize_precision
@@ -44,10 +45,8 @@ __all__ = ["dict_loss", "one_batch", "plan_for_trainer", "prepare_trainer"]
 
 log = logging.getLogger("memfit.integrations.hf")
 
-#: Arguments that fight the plan, and why each one has to go.
+#: Arguments that fight the plan, and why each one has to go (the checkpointing one: _checkpointing_conflict).
 _CONFLICTS = {
-    "gradient_checkpointing": "memfit checkpoints the model's blocks as the plan says, and both would "
-    "recompute every block",
     "auto_find_batch_size": "memfit sets per_device_train_batch_size from the plan (and "
     "memfit.plan(..., maximize='batch_size') finds the largest batch that fits)",
 }
@@ -63,7 +62,27 @@ def _transformers() -> Any:
     return transformers
 
 
+def _checkpointing_conflict(args: Any) -> str:
+    """The sentence refusing Hugging Face's own checkpointing in ``args``, in the spelling of its
+    ``transformers`` (``activation_checkpointing`` from 5.24, ``gradient_checkpointing`` before); ""."""
+    new = hasattr(args, "activation_checkpointing")
+    name = "activation_checkpointing" if new else "gradient_checkpointing"
+    if not getattr(args, name, False):
+        return ""
+    given = dict(getattr(args, f"{name}_kwargs", None) or {})
+    offload = given.get("offload") is True
+    also = f" and {name}_kwargs={given!r}" if offload else ""
+    counted = ", and its plan does not count Hugging Face's offload to host memory" if offload else ""
+    return (
+        f"drop {name}=True{also} from TrainingArguments: memfit checkpoints the model's blocks as the plan "
+        f"says, and both would recompute every block{counted}."
+    )
+
+
 def _check_args(args: Any) -> None:
+    conflict = _checkpointing_conflict(args)
+    if conflict:
+        raise ConfigError(conflict)
     for name, why in _CONFLICTS.items():
         if getattr(args, name, False):
             raise ConfigError(f"drop {name}=True from TrainingArguments: {why}.")
@@ -153,9 +172,11 @@ def plan_for_trainer(
     model: nn.Module,
     args: Any,
     train_dataset: Any,
-    budget: int | str | Budget,
+    budget: int | str | Budget | None,
     data_collator: Callable[[list[Any]], Any] | None = None,
     precision: PrecisionChoice = "auto",
+    *,
+    given: Plan | None = None,
 ) -> tuple[Plan, Any]:
     """:func:`prepare_trainer`, returning the :class:`memfit.Plan` as well as the new arguments.
 
@@ -170,22 +191,22 @@ def plan_for_trainer(
     model.to(args.device)
     effective = args.per_device_train_batch_size * args.gradient_accumulation_steps
     keys, batch = _as_tuple(one_batch(train_dataset, effective, data_collator), args.device)
-    wanted = "bf16" if args.bf16 else "fp16" if args.fp16 else normalize_precision(precision, allow_auto=True)
-    was_training = model.training
-    model.train()
-    try:
-        chosen = plan(model, batch, dict_loss(keys), budget, _optimizer(transformers, args, model), wanted)
-    finally:
-        model.train(was_training)
+    if given is not None:  # a decision made once is used as it is: nothing is profiled
+        check_made_for(given, model=model, batch=batch, device=args.device)
+        chosen = given
+    else:
+        chosen = _planned(transformers, model, args, batch, keys, budget, precision)
     apply(model, chosen)
+    kind = precision_kind(chosen.precision)
+    # TrainingArguments turns each mixed precision on with a flag of its own (bf16=, fp16=)
+    flags = {k.transformers_flag: k is kind for k in PRECISION_KINDS.values() if k.transformers_flag}
     new = dataclasses.replace(
         args,
         per_device_train_batch_size=effective // chosen.micro_batches,
         gradient_accumulation_steps=chosen.micro_batches,
-        bf16=chosen.precision == "bf16",
-        fp16=chosen.precision == "fp16",
+        **flags,
         # transformers runs bf16 on a CPU (one with AVX512-BF16 or AMX) only with use_cpu set
-        use_cpu=args.use_cpu or (chosen.precision == "bf16" and args.device.type == "cpu"),
+        use_cpu=args.use_cpu or (kind.dtype == torch.bfloat16 and args.device.type == "cpu"),
     )
     counts = ", ".join(f"{n} {m}" for m, n in sorted(mode_counts(chosen.blocks.values()).items()))
     log.info(
@@ -193,7 +214,7 @@ def plan_for_trainer(
         "gradient_accumulation_steps %d = %d per device and step, as before; predicted peak %s, measured %s",
         type(model).__name__,
         format_bytes(chosen.budget_bytes),
-        format_bytes(chosen.baseline_peak_bytes),
+        format_bytes(chosen.report.baseline_peak_bytes),
         counts or "no blocks",
         chosen.precision,
         new.per_device_train_batch_size,
@@ -205,15 +226,41 @@ def plan_for_trainer(
     return chosen, new
 
 
+def _planned(
+    transformers: Any,
+    model: nn.Module,
+    args: Any,
+    batch: tuple[torch.Tensor, ...],
+    keys: Sequence[str],
+    budget: int | str | Budget | None,
+    precision: PrecisionChoice,
+) -> Plan:
+    if budget is None:
+        raise ConfigError("memfit.integrations.hf.prepare needs a budget (e.g. '60%') or a plan.")
+    asked = [
+        k.name for k in PRECISION_KINDS.values() if k.transformers_flag and getattr(args, k.transformers_flag)
+    ]
+    wanted = normalize_precision(asked[0]) if asked else normalize_precision(precision, allow_auto=True)
+    was_training = model.training
+    model.train()
+    try:
+        return plan(model, batch, dict_loss(keys), budget, _optimizer(transformers, args, model), wanted)
+    finally:
+        model.train(was_training)
+
+
 def prepare_trainer(
     model: nn.Module,
     args: Any,
     train_dataset: Any,
-    budget: int | str | Budget,
+    budget: int | str | Budget | None = None,
     data_collator: Callable[[list[Any]], Any] | None = None,
     precision: PrecisionChoice = "auto",
+    *,
+    plan: Plan | None = None,
 ) -> Any:
-    """Plan ``model`` for the Hugging Face ``Trainer`` to ``budget``; return the ``TrainingArguments`` to use.
+    """Plan ``model`` for the Hugging Face ``Trainer`` to ``budget`` (or take ``plan`` as it is);
+    return the ``TrainingArguments`` to use.
 
     Args:
         model: the ``transformers`` model the Trainer will train (checkpointed in place).
@@ -226,15 +273,20 @@ def prepare_trainer(
             ``transformers.default_data_collator``).
         precision: ``"auto"``, ``"fp32"``, ``"bf16"`` or ``"fp16"`` when ``args`` sets neither
             ``bf16`` nor ``fp16`` (a precision set in ``args`` is kept).
+        plan: a plan made before (``memfit.plan`` or ``memfit plan``'s plan.json) to use as it is,
+            instead of planning: nothing is profiled, and one made for another model, batch or
+            device is refused.
 
     Returns:
         New ``TrainingArguments``: ``bf16`` / ``fp16`` from the plan, and
         ``per_device_train_batch_size`` / ``gradient_accumulation_steps`` from its micro-batches.
 
     Raises:
-        ConfigError: an argument that fights the plan (``gradient_checkpointing=True``,
-            ``auto_find_batch_size=True``: one sentence names it), Hugging Face's own
-            checkpointing on the model, or a dataset / collator memfit cannot profile.
+        ConfigError: an argument that fights the plan (``activation_checkpointing=True``, with
+            its ``offload``; ``auto_find_batch_size=True``: one sentence names it as written),
+            Hugging Face's own checkpointing on the model
+            (``model.activation_checkpointing_enable(...)``, named back with its arguments), or a
+            dataset / collator memfit cannot profile.
         InfeasibleBudget: nothing fits the budget.
     """
-    return plan_for_trainer(model, args, train_dataset, budget, data_collator, precision)[1]
+    return plan_for_trainer(model, args, train_dataset, budget, data_collator, precision, given=plan)[1]

@@ -35,8 +35,9 @@ from typing import Any
 
 from torch import nn
 
-from memfit.apply import apply
+from memfit.applying import apply, batch_shapes
 from memfit.errors import ConfigError
+from memfit.precision import precision_kind
 from memfit.records import Plan
 from memfit.step import batch_size
 
@@ -50,13 +51,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 __all__ = ["MemfitCallback", "plan_target", "trainer_kwargs"]
 
-#: memfit precision -> Lightning's ``precision`` argument.
-_LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed", "fp16": "16-mixed"}
-
 
 def trainer_kwargs(plan: Plan) -> dict[str, Any]:
     """The ``lightning.Trainer`` arguments that run ``plan``: ``precision``, ``accumulate_grad_batches``."""
-    return {"precision": _LIGHTNING_PRECISION[plan.precision], "accumulate_grad_batches": plan.micro_batches}
+    return {
+        "precision": precision_kind(plan.precision).lightning,
+        "accumulate_grad_batches": plan.micro_batches,
+    }
 
 
 def plan_target(module: nn.Module, plan: Plan) -> nn.Module:
@@ -100,7 +101,8 @@ class MemfitCallback(_Callback):
 
     def _apply(self, pl_module: nn.Module) -> None:
         if self.applied is None:
-            self.applied = apply(plan_target(pl_module, self.plan), self.plan)
+            # the plan's model and device are checked; Lightning moves the module to its device later
+            self.applied = apply(plan_target(pl_module, self.plan), self.plan, on_device=False).model
 
     def _check_trainer(self, trainer: Any) -> None:
         want = trainer_kwargs(self.plan)
@@ -143,4 +145,11 @@ class MemfitCallback(_Callback):
             raise ConfigError(
                 f"the DataLoader gives batches of {got}, but the plan's batch of {self.plan.batch_size} in "
                 f"{self.plan.micro_batches} micro-batch(es) needs DataLoader(batch_size={want})."
+            )
+        was = self.plan.made_for
+        shapes = batch_shapes(tuple(batch) if isinstance(batch, list) else batch)
+        if was is not None and was.batch and shapes != [[want, *s[1:]] for s in was.batch]:
+            raise ConfigError(
+                f"the DataLoader gives batches of shape {shapes}, but the plan was made for {was.batch} in "
+                f"{self.plan.micro_batches} micro-batch(es); plan again for this data."
             )

@@ -1,4 +1,5 @@
-"""Levers beyond activations: plans that also shrink weights, gradients and optimizer state.
+"""What each lever does to a model or an optimizer: the mechanics the lever objects of
+:mod:`memfit.applying` wrap.
 
 Checkpointing and micro-batches shrink activations; the model state (fp32 weights, their
 gradients and AdamW's two moments: 16 bytes per parameter) stays. A plan's ``levers`` may
@@ -12,31 +13,16 @@ also use, each only when asked (``memfit.plan(..., levers="all" | [names])``):
   stochastically (:mod:`.weights`, :mod:`.optim`).
 - ``offload``: chosen blocks' saved activations in pinned host memory (:mod:`.offload`,
   CUDA only).
-- ``chunked_loss``: the loss head in chunks of tokens (:mod:`.head`).
+- ``chunked_loss``: the loss head in chunks of tokens (:mod:`.head`, :mod:`.loss_head`).
 - ``frozen_bf16`` / ``frozen_nf4``: the frozen weights (``requires_grad=False``) in bf16, or
   their Linear weights in QLoRA's NF4 through torchao (:mod:`.frozen`).
 
-Which can run where is :mod:`.spec`; :func:`apply_levers` acts on a model and optimizer;
-:mod:`memfit.stepmodel.with_levers` predicts their bytes; ``memfit check --levers`` proves
-they still train the same model.
+Which can run where, what each changes in the step model and how a plan applies them is
+:mod:`memfit.applying` (one module per lever); ``memfit check --levers`` proves they still
+train the same model.
 """
 
-from memfit.levers.apply import apply_levers, remove_levers
 from memfit.levers.fused import FusedStep, fused_step_of
 from memfit.levers.optim import lever_optimizer
-from memfit.levers.spec import STATE_LEVERS, allowed_levers, check_levers, normalize_levers, state_kind
-from memfit.stepmodel.with_levers import state_bytes
 
-__all__ = [
-    "STATE_LEVERS",
-    "FusedStep",
-    "allowed_levers",
-    "apply_levers",
-    "check_levers",
-    "fused_step_of",
-    "lever_optimizer",
-    "normalize_levers",
-    "remove_levers",
-    "state_bytes",
-    "state_kind",
-]
+__all__ = ["FusedStep", "fused_step_of", "lever_optimizer"]

@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from memfit.levers.head import find_head
+from memfit.levers.quiet import import_torchao
 
 __all__ = [
     "NF4_BLOCK",
@@ -85,6 +86,7 @@ def nf4_available() -> bool:
 
 def to_nf4(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (2-D) as torchao's NF4Tensor, quantized from its bf16 values (QLoRA's blocks)."""
+    import_torchao()  # quietly: See memfit.levers.quiet
     from torchao.quantization import to_nf4 as torchao_to_nf4
 
     return torchao_to_nf4(weight.detach().to(torch.bfloat16).contiguous(), NF4_BLOCK, NF4_SCALER_BLOCK)
@@ -125,19 +127,10 @@ def nf4_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return out
 
 
-def frozen_refusal(lever: str, model: nn.Module | None, precision: str) -> str | None:
-    """Why ``lever`` (``frozen_bf16`` or ``frozen_nf4``) cannot run here, or None (a model of
-    None is judged when the lever is applied)."""
-    if lever == "frozen_bf16" and precision not in ("bf16", "auto"):
-        return (
-            f"frozen_bf16 keeps the frozen weights in bf16, so the step computes in bf16; it cannot run "
-            f"at precision {precision}: use bf16."
-        )
-    if lever == "frozen_nf4" and precision == "fp16":
-        return (
-            "frozen_nf4 dequantizes its bf16-scaled weights inside the step, which torch's fp16 autocast "
-            "cannot run; use bf16 or fp32."
-        )
+def frozen_refusal(lever: str, model: nn.Module | None) -> str | None:
+    """Why ``lever`` (``frozen_bf16`` or ``frozen_nf4``) cannot run on ``model``, or None (a model
+    of None is judged when the lever is applied); the precisions each runs at are the lever's
+    (:mod:`memfit.applying.frozen`)."""
     if lever == "frozen_nf4" and not nf4_available():
         return (
             f"frozen_nf4 needs torchao's NF4 tensor, which is not installed: `{_INSTALL}` (or "

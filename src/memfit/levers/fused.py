@@ -13,7 +13,7 @@ the gradients are never all alive, and the step after the backward holds nothing
   frees each gradient; the second steps with the clip coefficient computed exactly as
   ``torch.nn.utils.clip_grad_norm_`` does. It costs one more backward per step.
 - fp16 loss scaling must see every gradient for overflow before stepping: refused
-  (:func:`memfit.levers.spec.refusal`).
+  (:mod:`memfit.applying.fused_step`).
 
 Example:
     >>> import torch
@@ -108,7 +108,6 @@ class FusedStep:
         self._coef = None
         try:
             if clip_norm is not None:
-                # Note [clipping a fused step]
                 # Earlier micro-batches' gradients wait aside (no copy) while the first
                 # backward measures the norms of the sums; the second accumulates onto them
                 # exactly as an unfused step would.

@@ -5,7 +5,7 @@ every tensor it saves for its backward is copied to pinned host memory as it is 
 copied back when its backward needs it. The device then holds none of the block's saved
 activations between its forward and its backward, at the cost of two copies over the
 host link. On a CPU the "host" is the memory the activations are already in: it saves
-nothing, so :mod:`memfit.levers.spec` refuses it there.
+nothing, so :mod:`memfit.applying.offload` refuses it there.
 
 Example:
     >>> import torch

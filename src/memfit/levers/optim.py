@@ -17,7 +17,7 @@ Trade-off: torchao's step is ``torch.compile(fullgraph=True)``, which cannot run
 MemTracker's dispatch mode; memfit's trackers run it eagerly (``force_eager``), as it runs
 where dynamo is off (``TORCHDYNAMO_DISABLE=1``). The eager step holds every intermediate, so
 it steps in slices of at most 65,536 elements (more launches: slower on a GPU); the compiled
-one in slices of :data:`memfit.stepmodel.with_levers.STEP_SLICE_ELEMENTS`
+one in slices of :data:`memfit.stepmodel.state_bytes.STEP_SLICE_ELEMENTS`
 (Note [the step in slices], Note [pricing the step that runs]).
 
 Example:
@@ -26,23 +26,28 @@ Example:
     >>> opt = lever_optimizer(torch.optim.AdamW(lin.parameters(), lr=0.01), "8bit", weights_bf16=False)
     >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
     ('MemfitAdamW8bit', 0.01)
-    >>> from memfit.stepmodel.with_levers import state_bytes
+    >>> from memfit.stepmodel.state_bytes import state_bytes
     >>> state_bytes(65536, 4, "8bit")  # codes + block scales + two 256-entry maps + the step count
     135172
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from memfit import progress
 from memfit.errors import LeverRefused
-from memfit.levers.spec import ADAM_LIKE, torchao_available
-from memfit.stepmodel import with_levers
+from memfit.levers.needs import ADAM_LIKE, torchao_available
+from memfit.levers.quiet import import_torchao, quiet_dependencies
+from memfit.stepmodel import state_bytes
 from memfit.vocab import WEIGHTS
 
 __all__ = ["is_lever_optimizer", "lever_optimizer", "step_runs_eagerly"]
@@ -61,7 +66,7 @@ def step_runs_eagerly(*, training: bool = False) -> bool:
     """Whether torchao's optimizer step runs eagerly here: dynamo is disabled
     (``TORCHDYNAMO_DISABLE=1`` or ``TORCH_COMPILE_DISABLE=1``) or, unless ``training``, under
     the ``force_eager`` stance memfit measures in (See Note [pricing the step that runs] in
-    :mod:`memfit.stepmodel.with_levers`).
+    :mod:`memfit.stepmodel.state_bytes`).
 
     ``training=True`` asks how the step will run in training, where memfit's own measuring
     stance is not in force.
@@ -82,7 +87,6 @@ def step_runs_eagerly(*, training: bool = False) -> bool:
 
 
 def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
-    # Note [torchao's learning-rate tensor]
     # torchao keeps the learning rate as a tensor (no recompile when it changes); a scheduler
     # or a user that writes a float is turned back into one here.
     for group in optimizer.param_groups:
@@ -98,12 +102,12 @@ def _lr_as_tensor(optimizer: torch.optim.Optimizer) -> None:
 # quantized moments slice along their first dimension at block boundaries) gives the same
 # numbers with one slice's temporaries. Sharded (DTensor) parameters step whole. The slice
 # is smaller when the step runs eagerly (See Note [pricing the step that runs] in
-# memfit.stepmodel.with_levers).
+# memfit.stepmodel.state_bytes).
 
 
 def _slices(p: torch.Tensor, moments: list[Any]) -> list[tuple[int, int]]:
     """Row ranges of ``p`` to step one at a time (Note [the step in slices])."""
-    size = with_levers.step_slice_elements(step_runs_eagerly())
+    size = state_bytes.step_slice_elements(step_runs_eagerly())
     sharded = getattr(p, "device_mesh", None) is not None  # a DTensor (FSDP2) steps whole
     if p.dim() == 0 or p.numel() <= size or sharded:
         return [(0, p.shape[0] if p.dim() else 0)]
@@ -140,6 +144,22 @@ def _step_param(opt: Any, group: dict[str, Any], p: torch.Tensor) -> None:
            group["weight_decay"], group["eps"], opt.is_adamw, rounding)  # fmt: skip
 
 
+#: Optimizers whose step has run once (its compilation said so: :func:`_quietly`).
+_COMPILED: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def _quietly(opt: Any) -> Iterator[None]:
+    """torchao's step without its noise (:mod:`memfit.levers.quiet`) and, while the first one
+    compiles (a minute on a CPU), a progress line that says so."""
+    first = opt not in _COMPILED and not step_runs_eagerly()
+    _COMPILED.add(opt)
+    name = type(opt).__name__.removeprefix("Memfit")
+    waiting = f"compiling torchao's {name} step for each parameter shape (slow only on the first step)"
+    with quiet_dependencies(), progress.waiting(waiting) if first else contextlib.nullcontext():
+        yield
+
+
 def _sliced_step(opt: Any, closure: Any = None) -> Any:
     """torchao's ``step``, each large parameter in slices (Note [the step in slices])."""
     _lr_as_tensor(opt)
@@ -147,7 +167,7 @@ def _sliced_step(opt: Any, closure: Any = None) -> Any:
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
-    with torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
+    with _quietly(opt), torch.no_grad(), torch._dynamo.utils.disable_cache_limit():
         for group in opt.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -160,6 +180,7 @@ def _sliced_step(opt: Any, closure: Any = None) -> Any:
 
 @functools.cache
 def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
+    import_torchao()  # quietly: See memfit.levers.quiet
     from torchao.optim import Adam4bit, Adam8bit, AdamW4bit, AdamW8bit, _AdamW
 
     def make(base: type[Any], name: str) -> type[torch.optim.Optimizer]:
@@ -175,7 +196,6 @@ def _classes() -> dict[tuple[str, bool], type[torch.optim.Optimizer]]:
             return base._new_buffer(self, p, signed)
 
         def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
-            # Note [bf16 moments after a load]
             # torch.optim casts loaded floating state to the parameter's dtype; moments kept
             # in bf16 go back to bf16 so a resumed run computes as the saved one did.
             base.load_state_dict(self, state_dict)

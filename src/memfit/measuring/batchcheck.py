@@ -19,16 +19,18 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from memfit.errors import ConfigError, MemfitError, is_out_of_memory
+from memfit.levers.quiet import held_logs
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, StepResult, training_step
 
-__all__ = ["batch_errors", "checked_step", "describe_batch", "tensor_bytes"]
+__all__ = ["batch_errors", "checked_step", "describe_batch", "fake_logs_held", "tensor_bytes"]
 
 
 def _tensors(batch: Batch) -> list[torch.Tensor]:
@@ -76,16 +78,35 @@ def batch_errors(model: nn.Module, batch: Batch) -> Iterator[None]:
             f"the batch must be a tensor or a tuple of tensors, got {type(batch).__name__}; "
             "pass e.g. (inputs, targets)."
         )
-    try:
-        yield
-    except MemfitError:
-        raise
-    except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
-        if is_out_of_memory(exc):
-            raise  # running out of memory is not the batch's fault; callers re-plan or say so
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(
-            f"one training step of {type(model).__name__} on the batch ({describe_batch(batch)}) "
-            f"failed: {detail.rstrip('.')}; give a batch whose shape and values fit the model "
-            "and loss function."
-        ) from None
+    # the batch's failure is said in the sentence below; anything else is shown with its lines
+    with fake_logs_held() as held:
+        try:
+            yield
+        except MemfitError:
+            raise
+        except (RuntimeError, ValueError, IndexError, TypeError, AssertionError) as exc:
+            if is_out_of_memory(exc):
+                _show(held)
+                raise  # running out of memory is not the batch's fault; callers re-plan or say so
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"one training step of {type(model).__name__} on the batch ({describe_batch(batch)}) "
+                f"failed: {detail.rstrip('.')}; give a batch whose shape and values fit the model "
+                "and loss function."
+            ) from None
+        except BaseException:
+            _show(held)
+            raise
+
+
+def fake_logs_held() -> contextlib.AbstractContextManager[list[logging.LogRecord]]:
+    """torch's fake-tensor log held back while the body runs: torch 2.15 logs a kernel that fails
+    on fake tensors with its traceback before raising the error, which memfit says in one sentence
+    (:func:`memfit.levers.quiet.held_logs`; ``memfit -v`` shows it)."""
+    return held_logs("torch._subclasses.fake_tensor")
+
+
+def _show(held: list[logging.LogRecord]) -> None:
+    """The lines held back, shown after all (an error that is not the batch's)."""
+    for record in held:
+        logging.getLogger(record.name).callHandlers(record)  # past the filter that held it

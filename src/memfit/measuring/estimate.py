@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -55,7 +55,7 @@ from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_st
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
 from memfit.measuring.twin import twin_precision
-from memfit.precision import Precision
+from memfit.precision import Precision, precision_kind
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
 from memfit.stepmodel import simulate
@@ -178,6 +178,13 @@ def _fast_estimate(
     return profiles, entries
 
 
+def _derived(precisions: Sequence[str]) -> dict[str, str]:
+    """``{precision: the one whose memory it has}`` for those of ``precisions`` not run again
+    (See Note [fp16 is bf16's memory])."""
+    kinds = {p: precision_kind(p).memory_as for p in precisions}
+    return {p: same for p, same in kinds.items() if same and same in precisions}
+
+
 def _profiles_and_entries(
     f: _Fake,
     batch: Batch,
@@ -188,9 +195,10 @@ def _profiles_and_entries(
     """Every entry, in the order of ``precisions``, and one profile per precision."""
     # Note [fp16 is bf16's memory]
     # fp16 and bf16 have the same element size and autocast casts the same ops to either,
-    # so their memory is the same (loss scaling aside): fp16 is not run again.
-    derived = "fp16" in precisions and "bf16" in precisions
-    run_precisions = [p for p in precisions if not (derived and p == "fp16")]
+    # so their memory is the same (loss scaling aside): fp16 is not run again (its kind's
+    # memory_as names bf16).
+    derived = _derived(precisions)
+    run_precisions = [p for p in precisions if p not in derived]
     entries: list[EstimateEntry] = []
     with f.mode, f.fallbacks:
         f.model.train()
@@ -202,9 +210,9 @@ def _profiles_and_entries(
             profiles = _direct(
                 f.model, f.batch, loss_fn, f.optimizer, f.blocks, run_precisions, modes, f.device, entries
             )
-        if derived:
-            profiles["fp16"] = dataclasses.replace(profiles["bf16"], precision="fp16")
-            entries += [dataclasses.replace(e, precision="fp16") for e in entries if e.precision == "bf16"]
+        for p, same in derived.items():
+            profiles[p] = dataclasses.replace(profiles[same], precision=p)
+            entries += [dataclasses.replace(e, precision=p) for e in entries if e.precision == same]
         rank = {p: i for i, p in enumerate(precisions)}
         entries.sort(key=lambda e: rank[cast(PrecisionName, e.precision)])
     return profiles, entries
@@ -216,11 +224,12 @@ def _finish_profiles(
     """The optimizer's facts (and, with ``levers``, the levers', the loss head's included) on
     every profile."""
     by_dtype = optimizer_state_bytes(f.optimizer)
-    for prof in profiles.values() if levers else []:
-        attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
-        assert prof.lever_facts is not None
-        with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
-            prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
+    with progress.phase("what the levers would save, per precision", len(profiles) if levers else 0) as ph:
+        for prof in ph.over(profiles.values() if levers else []):
+            attach_lever_facts(prof, f.model, f.optimizer, f.blocks)
+            assert prof.lever_facts is not None
+            with f.mode, f.fallbacks:  # the head alone, on fake tensors too (Note [the head measured alone])
+                prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)
@@ -254,7 +263,7 @@ def estimate(
             parameters per block, and one small real optimizer step per state kind).
 
     Returns:
-        An :class:`memfit.Estimate`.
+        An :class:`memfit.records.Estimate`.
 
     Raises:
         ConfigError: bad ``device_memory``, an unknown precision or mode, a model_fn that
@@ -273,7 +282,7 @@ def estimate(
     _finish_profiles(f, profiles, levers, (f.batch, loss_fn))
     for line in f.fallbacks.lines():
         progress.note(line)
-    derived = "fp16" in checked and "bf16" in checked
+    derived = bool(_derived(checked))
     return Estimate(
         model=type(f.model).__name__,
         param_count=sum(p.numel() for p in f.model.parameters()),

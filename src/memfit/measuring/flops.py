@@ -51,7 +51,6 @@ def _cpu_flash_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: 
 
 def flop_counter() -> FlopCounterMode:
     """``FlopCounterMode(display=False)`` that also counts the CPU flash-attention kernel."""
-    # Note [attention FLOPs on the CPU]
     # Without these the CPU's attention counts 0 FLOPs, and a long sequence's attention (a
     # large part of the forward) would look free to recompute.
     mapping = {

@@ -32,24 +32,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memfit.applying.frozen import FROZEN_NF4
+from memfit.applying.weights_bf16 import WEIGHTS_BF16
 from memfit.checkpointing.compile import eager
 from memfit.devices import unwrap
-from memfit.levers.apply import frozen_levers
 from memfit.levers.frozen import (
     NF4_BLOCK,
     NF4_SCALER_BLOCK,
     FrozenSaved,
+    cast_frozen,
     frozen_params,
     is_nf4,
     nf4_available,
     nf4_linears,
+    quantize_frozen,
     restore_frozen,
     to_nf4,
 )
 from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
+from memfit.levers.needs import torchao_available
 from memfit.levers.optim import lever_optimizer, step_runs_eagerly
-from memfit.levers.spec import torchao_available
 from memfit.levers.weights import cast_weights, restore_weights, weights_dtype
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
@@ -57,7 +60,7 @@ from memfit.precision import Precision
 from memfit.records import HeadCost, HeadFacts, LeverFacts, Profile
 from memfit.records.lever_facts import FrozenFacts
 from memfit.stepmodel.head_chunks import chunk_ladder
-from memfit.stepmodel.with_levers import temp_key
+from memfit.stepmodel.state_bytes import temp_key
 from memfit.vocab import WEIGHTS
 
 __all__ = [
@@ -72,7 +75,7 @@ __all__ = [
 ]
 
 #: Elements of the parameter an optimizer kind's step temporaries are measured on (one eager
-#: slice of the step, :data:`memfit.stepmodel.with_levers.EAGER_STEP_SLICE_ELEMENTS`).
+#: slice of the step, :data:`memfit.stepmodel.state_bytes.EAGER_STEP_SLICE_ELEMENTS`).
 PROBE_NUMEL = 65536
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -205,7 +208,7 @@ def lever_facts(
 # The chunked head's bytes are predicted, not measured on the whole step: the head (the
 # model's own Linear, scale and soft-cap) runs alone on hidden states of the step's shape,
 # plain and chunked, under MemTracker, and the differences replace the plain head's part of
-# the outside's numbers (memfit.stepmodel.with_levers). The step's shape comes from one
+# the outside's numbers (memfit.applying.chunked_loss). The step's shape comes from one
 # forward of the loss function under no_grad, stopped where the head is called. Every byte
 # of both heads is linear in the tokens (logits, their fp32 copies, softmax and gradients:
 # tokens x vocab; hidden-state gradients: tokens x hidden; chunks and the weight's gradient:
@@ -446,10 +449,10 @@ def frozen_facts(
         facts.nf4.setdefault(owner.get(id(lin.weight), ""), []).append(lin.weight.numel())
     if facts.nf4:
         facts.nf4_bytes = _nf4_bytes([n for ns in facts.nf4.values() for n in ns], device)
-    if facts.nf4 and precision != "fp16":  # frozen_nf4 does not run under fp16 autocast
+    if facts.nf4 and FROZEN_NF4.runs_at(precision):  # frozen_nf4's precisions are the lever's
         fwd, bwd = _nf4_probe_temps(device, precision)
         facts.nf4_forward_temp_per_element, facts.nf4_backward_temp_per_element = fwd, bwd
-    if step is None or precision == "fp16":
+    if step is None or not FROZEN_NF4.runs_at(precision):
         return facts
     plain = _saved_by_part(model, blocks, step, precision)
     # the NF4 weights made once: frozen_nf4, then frozen_bf16 on top; then frozen_bf16 alone
@@ -458,7 +461,10 @@ def frozen_facts(
         saved = FrozenSaved()
         try:
             for levers in sets:
-                frozen_levers(model, None, list(levers), saved)
+                if "frozen_nf4" in levers:
+                    quantize_frozen(model, None, saved)
+                if "frozen_bf16" in levers:
+                    cast_frozen(model, saved)
                 now = _saved_by_part(model, blocks, step, precision)
                 facts.saved_delta[",".join(levers)] = {
                     part: now.get(part, 0) - plain.get(part, 0) for part in {*plain, *now}
@@ -481,7 +487,7 @@ def weights_saved_delta(
     """Per part: the bytes autograd saves in one forward of ``step`` with bf16 weights minus
     with the weights as they are (Note [the weights measured in bf16]); empty unless the
     precision is bf16 and the weights are not."""
-    if precision != "bf16" or weights_dtype(model) == "bf16":
+    if not WEIGHTS_BF16.runs_at(precision) or weights_dtype(model) == "bf16":
         return {}
     plain = _saved_by_part(model, blocks, step, precision)
     saved = cast_weights(model)

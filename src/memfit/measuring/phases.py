@@ -1,5 +1,5 @@
 """One training step's memory split into phases and blocks, from PyTorch's MemTracker, and
-the :class:`memfit.Profile` made of one such step per checkpointing mode.
+the :class:`memfit.records.Profile` made of one such step per checkpointing mode.
 
 ``measure`` reports one peak; profiling and estimating need to know where in the step
 memory is held: how much each block keeps from its forward to its backward, the transient
@@ -171,7 +171,6 @@ def phased_step(
 
 def _count_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision) -> dict[str, Counts]:
     """FlopCounterMode's counts at the forward's end and the step's, from an untracked step."""
-    # Note [FLOPs from a step of their own]
     # FlopCounterMode does not only observe: it decomposes the ops it has no formula for
     # (MoE routing, some activations), which changes what the step allocates (+15% on a
     # small Mixtral). So the FLOPs come from a step of their own, not the tracked one.

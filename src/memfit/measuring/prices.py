@@ -150,7 +150,6 @@ def _fit_recompute(prof: Profile, block: BlockStats, extras: Sequence[float]) ->
     if modelled <= 0 or extra <= 0:
         return 1.0
     fitted = toward(extra / modelled, 1.0, spread)
-    # Note [recompute scale clamped]
     # A recompute is the same forward again: a fit outside a quarter to four times it is a
     # disturbed timing, not the model, so it is clamped there (and the timings, telling
     # nothing, spread 1).

@@ -45,12 +45,18 @@ from torch import nn
 
 from memfit import progress
 from memfit.budget import format_bytes
-from memfit.checkpointing import checkpointed_blocks, find_blocks, set_block_modes, uncheckpoint
+from memfit.checkpointing import (
+    checkpointed_blocks,
+    find_blocks,
+    resolve_blocks,
+    set_block_modes,
+    uncheckpoint,
+)  # fmt: skip
 from memfit.checkpointing.segments import chain_probe
 from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
-from memfit.measuring.batchcheck import batch_errors, tensor_bytes
+from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_times, capture_block_inputs, micro_batch_inputs
 from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
@@ -80,19 +86,14 @@ BLOCK_ROUNDS = 8
 _Optimizer = torch.optim.Optimizer
 _Context = AbstractContextManager[Any]
 
-__all__ = [
-    "BLOCK_ROUNDS",
-    "Profiler",
-    "memory_profile",
-    "profile",
-]
+__all__ = ["BLOCK_ROUNDS", "Profiler", "profile"]
 
 
 class Profiler:
     """One model's step measured piece by piece (call inside ``preserved(model, optimizer)``).
 
     Attributes after each call are plain numbers; :meth:`result` assembles the
-    :class:`memfit.Profile` from whatever was measured (modes not measured are absent).
+    :class:`memfit.records.Profile` from whatever was measured (modes not measured are absent).
     """
 
     def __init__(
@@ -102,10 +103,12 @@ class Profiler:
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer | None,
         precision: Precision,
+        blocks: Sequence[str] | None = None,
     ) -> None:
         self.model, self.batch, self.loss_fn = model, batch, loss_fn
         self.optimizer, self.precision = optimizer, precision
-        self.blocks = find_blocks(model)
+        self.blocks = list(blocks) if blocks is not None else find_blocks(model)
+        """The blocks measured (the caller's, else :func:`memfit.find_blocks`'s)."""
         self.memory: dict[CheckpointMode, StepMemory] = {}
         self.copied: dict[str, dict[str, set[str]]] = {}  # per mode and block: what in-place writes copied
         self.stand_in: dict[str, str] = {}
@@ -176,7 +179,7 @@ class Profiler:
         if self.twin is None and not self.twin_error:
             started = time.perf_counter()
             try:
-                with self._phase("one step under fake tensors (nothing allocated)"):
+                with self._phase("one step under fake tensors (nothing allocated)"), fake_logs_held():
                     self.twin = make_twin(self.model, self.optimizer, self.batch)
                     self.estimate = self._plain_step(on_twin=True)
             except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]
@@ -468,7 +471,7 @@ class Profiler:
         )
 
     def result(self) -> Profile:
-        """The :class:`memfit.Profile` of what was measured."""
+        """The :class:`memfit.records.Profile` of what was measured."""
         prof = self._memory_profile()
         prof.chain_links = list(self.links)
         between_blocks(self.memory["none"], prof.blocks)
@@ -505,42 +508,6 @@ class Profiler:
         return [] if self.blocks else [f"{name} has no repeated blocks ({why} be planned for it."]
 
 
-def memory_profile(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None = None,
-    precision: PrecisionChoice | str | Precision = "fp32",
-) -> Profile:
-    """Every checkpointing mode's memory, measured under fake tensors: nothing is allocated,
-    nothing timed (the profile has no time model).
-
-    What the largest-batch search probes with. Where the model cannot run on a fake twin
-    (a forward that reads values), it is :func:`profile` with one timed step, which runs
-    real steps only where they fit (a step that runs out of memory raises
-    :class:`memfit.errors.OutOfMemory`).
-
-    Example:
-        >>> import torch
-        >>> from memfit.models.gpt import GPT, GPTConfig, gpt_loss
-        >>> model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
-        >>> x = torch.randint(0, 256, (2, 16))
-        >>> fake = memory_profile(model, (x, x), gpt_loss)
-        >>> real = profile(model, (x, x), gpt_loss, repeats=1)
-        >>> fake.memory_from, fake.measured_peak_bytes == real.measured_peak_bytes
-        ('fake tensors', True)
-    """
-    prec = as_precision(precision, device=model_device(model))
-    with preserved(model, optimizer):
-        prof = Profiler(model, batch, loss_fn, optimizer, prec)
-        create_optimizer_state(model, optimizer)
-        if prof.estimated_peak() is not None:
-            prof.use_estimate()
-            prof.modes([m for m in CHECKPOINT_MODES if m != "none"] if prof.blocks else [])
-            return prof.result()
-    return profile(model, batch, loss_fn, optimizer, prec, repeats=1)
-
-
 def profile(
     model: nn.Module,
     batch: Batch,
@@ -548,6 +515,7 @@ def profile(
     optimizer: torch.optim.Optimizer | None = None,
     precision: PrecisionChoice | str | Precision = "fp32",
     repeats: int = 3,
+    blocks: str | Sequence[str] | None = None,
 ) -> Profile:
     """Profile each block's memory, time and FLOPs under none, selective and full checkpointing.
 
@@ -563,21 +531,23 @@ def profile(
         optimizer: its state and step are part of the step (None: forward and backward only).
         precision: ``"fp32"``, ``"bf16"``, ``"fp16"``, ``"auto"`` or a Precision.
         repeats: whole steps timed for the time model; medians are reported.
+        blocks: the blocks to profile (names or class names, as :func:`memfit.checkpoint`
+            takes them); default: :func:`memfit.find_blocks`'s.
 
     Returns:
-        A :class:`memfit.Profile` (see its docstring for what each number means).
+        A :class:`memfit.records.Profile` (see its docstring for what each number means).
 
     Raises:
-        ConfigError: the batch does not fit the model (one step on it fails).
+        ConfigError: the batch does not fit the model (one step on it fails), or a block is unknown.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
     prec = as_precision(precision, device=model_device(model))
-    original = checkpointed_blocks(model)
-    scaler_state = prec.scaler.state_dict()
+    names = None if blocks is None else resolve_blocks(model, blocks)
+    original, scaler_state = checkpointed_blocks(model), prec.scaler.state_dict()
     try:
         with preserved(model, optimizer):
-            prof = Profiler(model, batch, loss_fn, optimizer, prec)
+            prof = Profiler(model, batch, loss_fn, optimizer, prec, names)
             for note in prof.notes():
                 warnings.warn(note, stacklevel=2)
             prof.none()

@@ -108,7 +108,6 @@ def measure_speed(device: torch.device, precision: Precision, repeats: int = 3) 
     many_sel = set_block_modes(nn.Sequential(_Tiny(_OPS)).to(device), {"0": "selective"})
     t_many_full = _best(_step(many_full, x, 2), device, repeats)
     t_many_sel = _best(_step(many_sel, x, 2), device, repeats)
-    # Note [selective's price per op]
     # Both recompute the same ops (none is a matmul); the difference is the selective
     # dispatch mode's time, paid per op in the forward and again in the recompute.
     selective_op_seconds = max(0.0, (t_many_sel - t_many_full) / 2 / (2 * _OPS))

@@ -124,7 +124,6 @@ class MemoryWatch:
         return self
 
     def _next_micro_batch(self, module: nn.Module, args: Any) -> None:
-        # Note [micro-batches in one tracked step]
         # MemTracker refuses a second forward of the root module in one context (a new
         # iteration, it thinks); with gradient accumulation it is the next micro-batch of the
         # same step: clear the per-module statistics (the peak is kept) to track it the same.
@@ -142,7 +141,6 @@ class MemoryWatch:
         self.peak_bytes = sum(self.breakdown.values())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            # Note [the allocator's peak on a GPU]
             # On a GPU the allocator's peak is the truth: it also counts what MemTracker
             # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
@@ -178,7 +176,6 @@ class PhaseTracker(MemTracker):
         self.phase_peak: dict[str, int] = {}
         self.phase_snap: dict[str, dict[Any, int]] = {}
         self.kept = 0
-        # Note [the stem's peaks apart]
         # The outside's peaks before the first block (stem) and after it (head, loss) are
         # apart: the stem runs with no block's activations held (forward) or kept (backward).
         self.outside_peak = dict.fromkeys(("forward", "backward", "forward_before", "backward_before"), 0)
@@ -200,7 +197,6 @@ class PhaseTracker(MemTracker):
 
     def track_external(self, *external: Any) -> None:
         super().track_external(*external)
-        # Note [frozen parameters are hooked already]
         # MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen
         # one (Whisper's position embeddings): marked as hooked already, they still count.
         for m in (m for m in external if isinstance(m, nn.Module)):
@@ -261,7 +257,6 @@ class PhaseTracker(MemTracker):
         super()._track(reftype, t)
         if self.phase != "forward":
             return
-        # Note [who owns a storage]
         # Every storage the forward creates is owned by the block running then, or by the
         # outside (before / after the blocks); what is alive when the forward ends is kept.
         owner = self._owner_now()
@@ -292,7 +287,6 @@ class PhaseTracker(MemTracker):
             self.kept += self._grads[name] - self._saved.pop(name)
 
     def _update_peak_stats(self, peak_state: Any) -> None:
-        # Note [a peak update that visits the running modules only]
         # The same updates as MemTracker._update_peak_stats, but only for the modules
         # that are running now (looked up by name) instead of every module ever seen.
         curr = self._curr_mem_snap

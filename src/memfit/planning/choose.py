@@ -39,7 +39,7 @@ from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.planning.solver import Solution, counted_work, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
-from memfit.records import Plan, Profile
+from memfit.records import Plan, PlanReport, Profile
 from memfit.stepmodel import Option, block_options, predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS, PrecisionName, normalize_modes, normalize_precision
 
@@ -95,7 +95,6 @@ def fixed_bytes_message(fixed: int, budget: int, optimizer: str, detail: str = "
 def _explain(precision: str, micro: int, sol: Solution, profiles: Mapping[str, Profile], budget: int) -> str:
     prof = profiles[precision]
     sim = simulate_options(prof, sol.options, micro)
-    # Note [state apart from the optimizer step]
     # "Alone" is what every step holds whatever the plan; the optimizer step's temporaries
     # are not held all step (a fused or for-loop step changes them), so they are named apart.
     state = prof.param_bytes + prof.grad_bytes + prof.optimizer_bytes
@@ -289,11 +288,13 @@ def _plan(chosen: _Found, profiles: Mapping[str, Profile], budget: int, baseline
         segments=[names[a : b + 1] for a, b in sol.segments],
         precision=normalize_precision(chosen.precision),
         micro_batches=chosen.micro,
-        predicted_peak_bytes=sol.peak_bytes,
-        predicted_step_seconds=chosen.seconds,
-        baseline_peak_bytes=baseline[0],
-        baseline_step_seconds=baseline[1],
-        budget_bytes=budget,
+        report=PlanReport(
+            predicted_peak_bytes=sol.peak_bytes,
+            predicted_step_seconds=chosen.seconds,
+            baseline_peak_bytes=baseline[0],
+            baseline_step_seconds=baseline[1],
+            budget_bytes=budget,
+        ),
     )
 
 

@@ -12,7 +12,7 @@ not), so a search takes a handful of profiles. The answer is then planned by the
 ``Plan.batch_size``.
 
 Each probe measures every mode's memory under fake tensors
-(:func:`memfit.measuring.profile.memory_profile`): nothing is allocated, so probing a batch
+(:func:`memfit.measuring.fake_profile.memory_profile`): nothing is allocated, so probing a batch
 far larger than the device holds costs a fraction of a step and no memory; a budget larger
 than the device has room for is refused before the first probe.
 
@@ -35,20 +35,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
-from torch import nn
 
-from memfit.budget import Budget, format_bytes
-from memfit.devices import model_device, room
+from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget
-from memfit.measuring.profile import memory_profile
-from memfit.planning.budgets import held_bytes, resolve_in_room
+from memfit.measuring.fake_profile import memory_profile
+from memfit.planning.request import Request
 from memfit.planning.solver import minimum_peak, solve
 from memfit.records import Plan, Profile
-from memfit.step import Batch, LossFn, batch_size
-from memfit.vocab import PrecisionName
+from memfit.step import Batch, batch_size
 
 __all__ = ["PlanAt", "largest_batch", "resize_batch"]
 
@@ -85,9 +83,7 @@ def _lerp(a: Any, b: Any, t: float) -> Any:
 
 def _extrapolated(small: Profile, large: Profile, n: int) -> Profile:
     t = (n - small.batch_size) / (large.batch_size - small.batch_size)
-    out = Profile.from_dict(_lerp(small.to_dict(), large.to_dict(), t))
-    out.batch_size = n
-    return out
+    return replace(Profile.from_dict(_lerp(small.to_dict(), large.to_dict(), t)), batch_size=n)
 
 
 def _fits(profiles: Mapping[str, Profile], budget: int) -> bool:
@@ -109,37 +105,35 @@ def _guess(small: Mapping[str, Profile], large: Mapping[str, Profile], budget: i
     return lo
 
 
-def largest_batch(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    budget: int | str | Budget,
-    optimizer: torch.optim.Optimizer | None,
-    wanted: Sequence[PrecisionName],
-    plan_at: PlanAt,
-) -> Plan:
-    """The plan for the largest batch (at ``batch``'s other dimensions) computed at once within ``budget``.
+def largest_batch(request: Request, plan_at: PlanAt) -> Plan:
+    """The plan for the largest batch (at the request's batch's other dimensions) computed at
+    once within its budget.
 
-    A percentage budget is taken of the fp32 no-checkpointing peak at ``batch``'s own size;
-    ``wanted`` are the precisions to probe, ``plan_at`` plans the answer for real.
+    A percentage budget is taken of the fp32 no-checkpointing peak at the batch's own size;
+    the request's precisions are probed, ``plan_at`` plans the answer for real.
     Returns a :class:`Plan` with ``batch_size`` set and ``micro_batches == 1``; its notes
     say what the next batch size would need.
 
     Raises:
         InfeasibleBudget: not even a batch of one fits.
     """
-    spec = Budget.parse(budget)
+    r = request
     cache: dict[int, dict[str, Profile]] = {}
 
     def profiles_at(n: int) -> dict[str, Profile]:
         if n not in cache:
-            sized = resize_batch(batch, n)
-            cache[n] = {p: memory_profile(model, sized, loss_fn, optimizer, p) for p in wanted}
+            sized = resize_batch(r.batch, n)
+            blocks = list(r.blocks)
+            cache[n] = {
+                p: memory_profile(r.model, sized, r.loss_fn, r.optimizer, p, blocks) for p in r.precisions
+            }
         return cache[n]
 
-    given = batch_size(batch)
-    base = profiles_at(given).get("fp32") if spec.is_fraction else None
-    budget_bytes = _budget_bytes(model, batch, loss_fn, optimizer, spec, base)
+    given = batch_size(r.batch)
+    base = profiles_at(given).get("fp32") if r.budget.is_fraction else None
+    if r.budget.is_fraction:
+        base = base or memory_profile(r.model, r.batch, r.loss_fn, r.optimizer, "fp32", list(r.blocks))
+    budget_bytes = r.budget_bytes(base.measured_peak_bytes if base is not None else 0)
     verdicts: dict[int, bool] = {}
 
     def fits(n: int) -> bool:
@@ -163,12 +157,12 @@ def largest_batch(
     while True:
         if lo < 1:
             _refuse(profiles_at(1), budget_bytes, reasons)
-        result = _plan_at(plan_at, batch, budget_bytes, lo, reasons)
+        result = _plan_at(plan_at, r.batch, budget_bytes, lo, reasons)
         if result is not None:
             break
         # Predicted to fit but measured over (or only with micro-batches): go lower.
         lo, hi = _bracket(fits, 0, lo, [lo - 1])
-    result.batch_size = lo
+    notes = list(result.notes)
     if hi in cache:
         least = min(minimum_peak(p, 1).peak_bytes for p in profiles_at(hi).values())
         why = (
@@ -176,26 +170,8 @@ def largest_batch(
             if least > budget_bytes
             else "was measured over the budget"
         )
-        result.notes.append(f"largest batch computed at once: {lo}; a batch of {hi} {why}")
-    return result
-
-
-def _budget_bytes(
-    model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
-    optimizer: torch.optim.Optimizer | None,
-    spec: Budget,
-    base: Profile | None,
-) -> int:
-    """The budget in bytes, refused where it is more than the device holds (before any probe)."""
-    device = model_device(model)
-    r, held = room(device), held_bytes(model, optimizer)
-    baseline = 0
-    if spec.is_fraction:
-        base = base or memory_profile(model, batch, loss_fn, optimizer, "fp32")
-        baseline = base.measured_peak_bytes
-    return resolve_in_room(spec, baseline, r, held, device)
+        notes.append(f"largest batch computed at once: {lo}; a batch of {hi} {why}")
+    return replace(result, batch_size=lo, report=replace(result.report, notes=notes))
 
 
 def _bracket(fits: Callable[[int], bool], lo: int, hi: int, order: list[int]) -> tuple[int, int]:

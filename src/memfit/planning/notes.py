@@ -1,5 +1,6 @@
 """The notes a plan carries (what the time model rests on, ties, BatchNorm with micro-batches,
-in-place writes in the blocks it checkpoints) and whether a profile has every mode measured.
+each lever's own note, in-place writes in the blocks it checkpoints) and whether a profile has
+every mode measured.
 
 Example:
     >>> from memfit.records import BlockStats, Profile
@@ -14,19 +15,16 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from memfit.budget import format_bytes
+from memfit.applying.registry import lever, with_levers
 from memfit.checkpointing import block_reasons
-from memfit.levers.frozen import frozen_note
 from memfit.measuring.inplace import inplace_parts
 from memfit.planning.choose import NOISE_CAP, TIE
 from memfit.planning.standard import PREFER_STANDARD, STANDARD_NAMES, standard_name, standard_solutions
 from memfit.records import Plan, Profile
-from memfit.stepmodel import predict_options_seconds, simulate, time_note
-from memfit.stepmodel.head_chunks import chunk_ladder, head_cost_at
-from memfit.stepmodel.with_levers import with_levers
+from memfit.stepmodel import predict_options_seconds, time_note
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["block_notes", "complete_profile", "head_note", "plan_notes", "standard_note"]
+__all__ = ["block_notes", "complete_profile", "plan_notes", "standard_note"]
 
 
 def complete_profile(profile: Profile) -> bool:
@@ -55,12 +53,12 @@ def standard_note(result: Plan, profile: Profile) -> str | None:
         )
     timed = [(predict_options_seconds(profile, s.options, result.micro_batches), n) for n, s in fitting]
     seconds, best = min(timed)
-    if result.predicted_step_seconds <= 0:
+    if result.report.predicted_step_seconds <= 0:
         return f"the plan is not one of PyTorch's own configurations; of those, {best!r} fits."
     return (
         f"the fastest PyTorch configuration that fits, {best!r} ({STANDARD_NAMES[best]}), is predicted at "
-        f"{seconds / result.predicted_step_seconds:.2f}x this plan's step time; a plan of memfit's own is "
-        f"chosen only {PREFER_STANDARD:.0%} of a step faster or more."
+        f"{seconds / result.report.predicted_step_seconds:.2f}x this plan's step time; a plan of memfit's "
+        f"own is chosen only {PREFER_STANDARD:.0%} of a step faster or more."
     )
 
 
@@ -82,45 +80,6 @@ def block_notes(model: nn.Module, blocks: Mapping[str, str]) -> list[str]:
             which = f"{names[0]} ... {names[-1]} ({len(names)})"
         lines.append(f"block{'s' if len(names) > 1 else ''} {which}: {why}")
     return lines
-
-
-def head_note(result: Plan, profile: Profile) -> str:
-    """Why the plan's ``chunked_loss`` runs chunks of its size (See Note [the largest chunk that fits]).
-
-    Example:
-        >>> from memfit.records import BlockStats, HeadFacts, LeverFacts
-        >>> facts = LeverFacts(head=HeadFacts(tokens=8, vocab=100, chunk_tokens=8))
-        >>> prof = Profile("fp32", "cpu", 1, [], BlockStats("outside"), 0, 0, 0, 0, lever_facts=facts)
-        >>> head_note(Plan(blocks={}, levers=["chunked_loss"]), prof).split(",")[0]
-        'chunked_loss: chunks of 8 tokens'
-    """
-    assert profile.lever_facts is not None and profile.lever_facts.head is not None
-    h = profile.lever_facts.head
-    default = h.chunk_tokens
-    chunk = result.loss_chunk_tokens or default
-    moved = head_cost_at(h, chunk)
-    if chunk == default:
-        why = (
-            f"chunks of {chunk:,} tokens, the default (2**23 // vocabulary: 32 MiB of fp32 logits a "
-            "chunk), chosen because the plan fits with it and larger chunks run fewer, larger matmuls"
-        )
-    else:
-        at_default = simulate(
-            with_levers(profile, result.levers), result.blocks, result.micro_batches, result.segments
-        ).peak_bytes
-        why = (
-            f"chunks of {chunk:,} tokens, chosen because at the default {default:,} tokens no plan with "
-            f"these levers fits the budget of {format_bytes(result.budget_bytes)} (this one is predicted at "
-            f"{format_bytes(at_default)}); {chunk:,} is the largest chunk of the ladder "
-            f"({', '.join(f'{c:,}' for c in chunk_ladder(min(default, h.tokens)))}) that fits, and "
-            "smaller chunks run more, smaller matmuls"
-        )
-    return (
-        f"chunked_loss: {why}; the loss head ({h.tokens:,} tokens x {h.vocab:,} vocabulary) peaks at "
-        f"{moved.forward_peak_bytes:,} B in its forward chunked, {h.plain.forward_peak_bytes:,} B plain. The "
-        "model's output has no logits (None) when it computes the loss (labels= / targets=); without "
-        "labels it is unchanged."
-    )
 
 
 def _tie_note(prof: Profile) -> str:
@@ -149,18 +108,10 @@ def plan_notes(model: nn.Module, result: Plan, profiles: Mapping[str, Profile]) 
             f"{len(norms)} BatchNorm layer(s) (e.g. {norms[0]!r}) normalise over each micro-batch, not the "
             f"whole batch, with {result.micro_batches} micro-batches; give a larger budget to avoid it."
         )
-    if "fused_step" in result.levers:
-        notes.append(
-            "fused_step: with clip_norm the last micro-batch's backward runs twice (norms first, then the "
-            "steps), which the predicted step time does not include; without clipping it adds no work."
-        )
-    head = profiles[result.precision].lever_facts
-    if "chunked_loss" in result.levers and head is not None and head.head is not None:
-        notes.append(head_note(result, profiles[result.precision]))
-    frozen = head.frozen if head is not None else None
-    note = frozen_note(result.levers, sum(map(sum, frozen.nf4.values())) if frozen is not None else 0)
-    if note is not None:
-        notes.append(note)
+    for name in result.levers:  # each lever's own note (memfit.applying)
+        note = lever(name).note(result, profiles[result.precision], with_levers)
+        if note is not None:
+            notes.append(note)
     # The profile's notes on in-place writes, for the blocks the plan runs in those modes.
     for note in profiles[result.precision].notes:
         blocks, modes = inplace_parts(note)

@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 from memfit.errors import ConfigError
@@ -92,19 +93,16 @@ def shard_profile(profile: Profile, world_size: int) -> Profile:
         added = 2 * p + previous + g
         new.backward_peak_bytes = {m: v + added for m, v in block.backward_peak_bytes.items()}
         new.grad_bytes = _shard(g, w)
-        # Note [FSDP2's fixed bytes]
         # None of this shrinks with micro-batches: the gathered parameters, and the block's
         # whole gradients (measured in its backward peak; only the shard is kept).
         new.forward_fixed_bytes = block.forward_fixed_bytes + 2 * p
         new.backward_fixed_bytes = block.backward_fixed_bytes + added + g - new.grad_bytes
         new.param_bytes = _shard(p, w)
         previous = p
-    # Note [no segments under FSDP2]
     # A segment recomputes several FSDP2 units in one backward step, gathering all their
     # parameters at once; the rules above do not model that, so sharded plans use none.
-    out.chain_links = []
-    out.notes = [*profile.notes, f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"]
-    return out
+    note = f"FSDP2 over {w} processes: per-rank memory (memfit.planning.sharding)"
+    return dataclasses.replace(out, chain_links=[], notes=[*profile.notes, note])
 
 
 def replicate_profile(profile: Profile) -> Profile:
@@ -119,12 +117,11 @@ def replicate_profile(profile: Profile) -> Profile:
         1000
     """
     out = copy.deepcopy(profile)
-    # Note [DDP's gradient buckets]
     # DistributedDataParallel's reducer buckets (gradient_as_bucket_view=False, the default)
     # are a copy of every gradient, alive from construction on: held like parameters.
     out.param_bytes = profile.param_bytes + profile.grad_bytes
-    out.notes = [*profile.notes, "DDP: gradient buckets held all step (memfit.planning.sharding)"]
-    return out
+    note = "DDP: gradient buckets held all step (memfit.planning.sharding)"
+    return dataclasses.replace(out, notes=[*profile.notes, note])
 
 
 def rank_profile(profile: Profile, mode: DistributedMode, world_size: int) -> Profile:

@@ -80,7 +80,6 @@ def _costs(block: BlockStats, mode: str) -> tuple[int, ...]:
 
 def useful_modes(block: BlockStats) -> list[str]:
     """The block's modes less those that hold at least as much as keeping it at every moment."""
-    # Note [modes that never help]
     # Such a mode is slower than keeping the block and lowers no event of the step, so no
     # plan should choose it (a block whose input is not otherwise kept, or whose recompute
     # peaks high, can have one).
@@ -226,7 +225,6 @@ def _order(prog: _Program) -> np.ndarray:
     """A fixed preference among equal plans: per block none, selective, full, then segments,
     later blocks' choices weighing more, so the earlier blocks recompute (exact, so the same
     model gets the same plan)."""
-    # Note [an order that breaks ties]
     # Each option's rank is weighed by its first block's place (1 for the first block, up
     # towards 2 for the last). A weight the same for every place would make the plans that
     # place the same modes on identical blocks in another order cost the same, and HiGHS
@@ -285,7 +283,6 @@ def solve(
         if x is None:
             return None
         best = float(cost @ x)
-        # Note [HiGHS's optimality gap]
         # HiGHS proves optimality to ~1e-7 of the normalised objective; the band below takes
         # at least that, so plans the solver cannot tell apart are ties too.
         tie = max(tie_seconds / top, 1e-6 * max(1.0, best))
@@ -297,7 +294,6 @@ def solve(
         sol = _solution(prog, chosen, micro_batches)
         if sol.peak_bytes <= budget_bytes:
             return sol
-        # Note [tightening by the excess]
         # HiGHS accepts rows violated by up to its feasibility tolerance (~1e-7 of the budget);
         # the exact check caught one, so the rows are tightened by the excess.
         tighten += sol.peak_bytes - budget_bytes
@@ -349,7 +345,6 @@ def _lowest_peak(
     lowest = _within(prog.run(peak_cost, keep, True, budget), limits)
     chosen = prog.picked(x if lowest is None else lowest)
     peak = float(simulate_options(prog.profile, chosen, micro_batches, prog.events).peak_bytes)
-    # Note [one byte less]
     # HiGHS stops within an absolute gap of 1e-6 of the normalised peak, a byte at a
     # megabyte scale; asking in exact bytes for one byte less settles the lowest peak.
     for _ in range(3):
@@ -361,7 +356,6 @@ def _lowest_peak(
         if found_peak >= peak:
             break
         chosen, peak = found, float(found_peak)
-    # Note [the half byte]
     # Bytes are integers, so "at most peak + 0.5" is "at most peak" (every plan at the lowest
     # peak, the one found among them); HiGHS's MIP feasibility tolerance (1e-6 of the scaled
     # row) may let in a plan a byte over, and the exact check below keeps it out.

@@ -18,7 +18,7 @@ from memfit.records.check import ModuleRange, NonFinite, PrecisionCheck, RunCurv
 from memfit.records.estimate import Estimate, EstimateEntry
 from memfit.records.lever_facts import HeadCost, HeadFacts, LeverFacts
 from memfit.records.memory import BREAKDOWN_KEYS, MemoryReport
-from memfit.records.plan import Plan
+from memfit.records.plan import MadeFor, Plan, PlanReport
 from memfit.records.profile import BlockStats, Profile, Speed
 from memfit.records.train import StepMetrics
 
@@ -31,10 +31,12 @@ __all__ = [
     "HeadCost",
     "HeadFacts",
     "LeverFacts",
+    "MadeFor",
     "MemoryReport",
     "ModuleRange",
     "NonFinite",
     "Plan",
+    "PlanReport",
     "PrecisionCheck",
     "Profile",
     "Record",

@@ -79,7 +79,7 @@ class FrozenFacts(Record):
 
 @dataclass
 class LeverFacts(Record):
-    """The numbers :mod:`memfit.stepmodel.with_levers` turns into a lever set's bytes.
+    """The numbers the lever objects of :mod:`memfit.applying` turn into a lever set's bytes.
 
     Parameter counts are exact (read from the model); the step's temporaries per element
     are measured once per optimizer kind on a parameter of its own (MemTracker, the step
@@ -105,7 +105,7 @@ class LeverFacts(Record):
     step_eager: bool = False
     """torchao's optimizer step will run eagerly in training (dynamo disabled when the facts were
     measured), so it steps in eager slices (Note [pricing the step that runs] in
-    :mod:`memfit.stepmodel.with_levers`); False: compiled."""
+    :mod:`memfit.stepmodel.state_bytes`); False: compiled."""
     step_temp_per_element: dict[str, float] = field(default_factory=dict)
     """``"<kind>/<weights>"`` (kind ``orig`` for the user's own optimizer, or ``fp32`` / ``bf16`` /
     ``8bit`` / ``4bit``; weights ``fp32`` / ``bf16``) -> temporaries of one parameter's step,

@@ -237,9 +237,9 @@ class Profile(Record):
     weights: str = "fp32"
     """The floating parameters' dtype the step was measured with (``bf16``: the weights_bf16 lever)."""
     levers: list[str] = field(default_factory=list)
-    """Levers whose bytes these numbers include (set by :func:`memfit.stepmodel.with_levers.with_levers`)."""
+    """Levers whose bytes these numbers include (set by :func:`memfit.applying.registry.with_levers`)."""
     lever_facts: LeverFacts | None = None
-    """What :func:`memfit.stepmodel.with_levers.with_levers` needs (None: levers cannot be predicted)."""
+    """What :func:`memfit.applying.registry.with_levers` needs (None: levers cannot be predicted)."""
     lever_step_bytes: dict[str, int] = field(default_factory=dict)
     """With ``fused_step``: per part (block name, ``""`` outside) the largest gradient plus step
     temporaries of one of its parameters, held inside its backward while that one steps."""

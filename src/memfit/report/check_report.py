@@ -132,6 +132,18 @@ def check_markdown(report: StabilityReport) -> str:
     return "\n".join(lines)
 
 
+#: Dash pattern and marker of each mixed-precision run, in order (See Note [lines that lie on each other]).
+_STYLES = (("--", "o"), (":", "s"), ("-.", "^"))
+
+
+def _style(i: int, steps: int) -> dict[str, Any]:
+    dash, marker = _STYLES[i % len(_STYLES)]
+    return {
+        "ls": dash, "lw": 1.4, "marker": marker, "markersize": 5, "markerfacecolor": "none",
+        "markevery": (i, max(1, steps // 12)), "zorder": 2 + i,
+    }  # fmt: skip
+
+
 def plot_check(report: StabilityReport, path: str | Path) -> Path:
     """Loss curves of every run with the fp32 noise band shaded; loss scales beside them."""
     import matplotlib
@@ -154,15 +166,20 @@ def plot_check(report: StabilityReport, path: str | Path) -> Path:
     spread = [abs(a - b) for a, b in zip(ref[:k], noise[:k], strict=True)]
     ax.fill_between(steps[:k], lo, hi, color="0.8", label="fp32 noise band (two fp32 runs)")
     ax_diff.fill_between(steps[:k], [-d for d in spread], spread, color="0.8", label="± fp32 noise")
-    ax.plot(steps, ref, color="black", lw=1.5, label="fp32")
+    # Note [lines that lie on each other]
+    # bf16 and fp16 usually track fp32 to within a line's width: drawn plain, the last one
+    # hid the others (issue 37). fp32 is a wide pale band under them, and each mixed run has
+    # its own dash pattern and open markers, so all three show where they coincide.
+    ax.plot(steps, ref, color="black", lw=4, alpha=0.3, label="fp32", zorder=1)
     ax_diff.axhline(0.0, color="black", lw=1)
     ax.plot(
         list(range(1, len(noise) + 1)), noise, color="0.45", lw=1, ls="--", label="fp32, other order/seed"
     )
-    for pc in report.by_precision.values():
+    for i, pc in enumerate(report.by_precision.values()):
         ys = [nan if v is None else v for v in pc.run.losses]
         xs = list(range(1, len(ys) + 1))
-        (line,) = ax.plot(xs, ys, lw=1.2, label=f"{pc.precision} ({pc.verdict})")
+        style = _style(i, len(ys))
+        (line,) = ax.plot(xs, ys, label=f"{pc.precision} ({pc.verdict})", **style)
         base = ref
         if pc.reference_run is not None:
             base = [nan if v is None else v for v in pc.reference_run.losses]
@@ -175,7 +192,7 @@ def plot_check(report: StabilityReport, path: str | Path) -> Path:
                 label=f"fp32 skipping {pc.precision}'s skipped steps",
             )
         diff = [a - b for a, b in zip(ys, base, strict=False)]
-        ax_diff.plot(xs[: len(diff)], diff, lw=1.2, color=line.get_color(), label=f"{pc.precision} - fp32")
+        ax_diff.plot(xs[: len(diff)], diff, color=line.get_color(), label=f"{pc.precision} - fp32", **style)
         if pc.precision == "fp16" or any(s != 1.0 for s in pc.run.scales):
             ax_scale.plot(xs, pc.run.scales, label=pc.precision, color=line.get_color())
     ax_diff.set_xlabel("step")

@@ -88,7 +88,8 @@ def verdict_line(ordered: Sequence[EstimateEntry], device_memory: int | None) ->
     if static >= device_memory:
         hint = (
             f"parameters, gradients and optimizer state alone take {format_bytes(static)}, so "
-            "only fewer parameters, a lighter optimizer or sharding across devices can fit"
+            "only fewer bytes for them (the levers: bf16 weights, low-bit optimizer state, the step "
+            "in the backward), fewer parameters or sharding across devices can fit"
         )
     else:
         hint = "use a smaller batch or shorter sequences"

@@ -92,13 +92,14 @@ def loss_figure(runs: dict[str, Sequence[StepMetrics]], title: str = "") -> Any:
     handles: list[Any] = []
     labels: list[str] = []
     details: list[str] = []
-    any_val = False
+    any_val = any_raw = False
     for i, (name, history) in enumerate(runs.items()):
         color = f"C{i}"
         steps = [m.step for m in history]
         losses = [m.loss for m in history]
         width = max(1, len(losses) // 20)
         if width > 1:
+            any_raw = True
             ax.plot(steps, losses, color=color, alpha=0.25, linewidth=0.8)
         (line,) = ax.plot(steps, _smooth(losses, width), color=color, linewidth=1.8)
         val = [(m.step, m.val_loss) for m in history if m.val_loss is not None]
@@ -111,7 +112,10 @@ def loss_figure(runs: dict[str, Sequence[StepMetrics]], title: str = "") -> Any:
         if detail:
             details.append(f"{label}: {detail}")
     handles.append(Line2D([], [], color="0.3", linewidth=1.8))
-    labels.append("train (smoothed)" if any(len(h) >= 40 for h in runs.values()) else "train")
+    labels.append("train (smoothed)" if any_raw else "train")
+    if any_raw:  # the faint line under the smoothed one: every step's loss
+        handles.append(Line2D([], [], color="0.3", alpha=0.25, linewidth=0.8))
+        labels.append("train (each step)")
     if any_val:
         handles.append(Line2D([], [], color="0.3", ls="--", marker="o", markersize=5))
         labels.append("validation")

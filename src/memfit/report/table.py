@@ -27,9 +27,9 @@ def mode_counts(modes: Iterable[str]) -> dict[str, int]:
         >>> mode_counts(["full", "none", "full"])
         {'full': 2, 'keep': 1}
     """
-    # Note ["keep" in reports]
     # The vocabulary (memfit.vocab) spells an unchanged block "none"; next to "full 3" a
-    # reader understands "keep 1" (keeps its activations) at once, so reports say that.
+    # reader understands "keep 1" (keeps its activations) at once, so reports say that
+    # (See Note [the old spelling keep] in memfit.vocab).
     counts: dict[str, int] = {}
     for mode in modes:
         label = "keep" if mode == "none" else mode

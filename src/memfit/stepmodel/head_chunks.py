@@ -6,7 +6,7 @@ first; :func:`head_cost_at` predicts the head's bytes at any chunk size from the
 head was measured at (:class:`memfit.records.HeadFacts`: the default and the ladder's
 smallest; See Note [the head's bytes are affine in the chunk]); :func:`at_chunk` is a
 profile whose head facts describe the head at another chunk size, which
-:func:`memfit.stepmodel.with_levers.with_levers` then reads like the measured one.
+:func:`memfit.applying.registry.with_levers` then reads like the measured one.
 
 Trade-off: a smaller chunk holds fewer logits at a time and runs more, smaller matmuls
 (one Python iteration per chunk), so the planner takes the largest chunk that fits.

@@ -1,6 +1,6 @@
 """The step's memory as events: what is held at each moment, linear in the plan's options.
 
-A :class:`memfit.Profile` holds per-block numbers each measured with every block in one
+A :class:`memfit.records.Profile` holds per-block numbers each measured with every block in one
 mode; a plan mixes modes and segments (:mod:`memfit.stepmodel.options`). :func:`events`
 walks the step (the outside's forward before the blocks, each block's forward in the order
 the blocks ran, what the outside between two blocks holds from then on, the head and loss,
@@ -246,7 +246,6 @@ def _walk(profile: Profile, micro_batches: int, opts: list[Option]) -> _Walk:
     # Split into micro-batches, the batch's tensors are chunked into views inside the step;
     # MemTracker then counts their whole storage, for the rest of the step.
     whole = profile.input_bytes if micro_batches > 1 else 0
-    # Note [outside in mixed plans]
     # The outside's numbers were measured with every block in one mode; they barely depend
     # on it (the tests find them equal), and the largest keeps mixed plans safe.
     return _Walk(
@@ -260,7 +259,7 @@ def _walk(profile: Profile, micro_batches: int, opts: list[Option]) -> _Walk:
         early=early,
         block_grads=block_grads,
         outside_grads=outside_grads,
-        # the chunked loss head's weight gradient (memfit.stepmodel.with_levers) does not shrink
+        # the chunked loss head's weight gradient (memfit.applying.chunked_loss) does not shrink
         out_fwd=_scaled(max(out.forward_peak_bytes.values(), default=0), s, out.forward_fixed_bytes),
         out_bwd=_scaled(max(out.backward_peak_bytes.values(), default=0), s, early),
         stem_fwd=_scaled(profile.outside_before_forward_peak_bytes, s),

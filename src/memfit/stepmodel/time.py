@@ -110,7 +110,6 @@ def recompute_scale(profile: Profile) -> float:
 
 def block_seconds(block: BlockStats, recompute: float = 1.0) -> dict[str, float]:
     """Forward + backward seconds per mode; a mode costs at least keeping plus its recompute."""
-    # Note [a mode costs at least keeping]
     # Measured times (profiles without a time model, estimates) are noisy, and a recompute
     # can come out as fast as keeping the activations; FLOPs are exact, so each mode costs
     # at least the ``none`` time plus its extra FLOPs at the block's forward speed times

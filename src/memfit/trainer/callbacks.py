@@ -197,7 +197,6 @@ class SaveState(Callback):
             reason = self._try(trainer, path)
         if reason is None:
             return path
-        # Note [the rescue copy]
         # The rescue folder is on another file system path, so a full or read-only output
         # directory does not lose the steps since the last save.
         rescue = Path(tempfile.gettempdir()) / f"memfit-rescue-{os.getpid()}" / path.name

@@ -158,7 +158,8 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
     """Wrap ``model`` for ``ctx.mode``: DDP, or ``fully_shard`` per block then the root.
 
     Checkpointing is applied before wrapping (it wraps each block's forward, which
-    ``fully_shard`` keeps), so the same plan works with and without sharding.
+    ``fully_shard`` keeps), so the same plan works with and without sharding
+    (See Note [wrap after checkpointing] in :mod:`memfit.app.setup`).
     """
     if ctx.mode == "ddp":
         device_ids = [ctx.local_rank] if model_device(model).type == "cuda" else None
@@ -179,7 +180,6 @@ def wrap_model(model: nn.Module, ctx: DistContext, blocks: list[str]) -> nn.Modu
 
 def end_worker_process(code: int) -> NoReturn:
     """End a ``torchrun`` worker whose run finished: flush, then exit past the interpreter's teardown."""
-    # Note [exit past the interpreter's teardown]
     # Measured on this machine (torch 2.13 CPU, gloo, two workers): about one run in eight, a
     # worker of rank 1 aborted after its run had finished and its process group was destroyed
     # (See Note [an orderly exit from the group]), with "terminate called without an active

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -251,7 +251,8 @@ def replan(
     new = plan_from_profiles(
         {precision: config.profiles[precision]},
         budget,
-        plan.baseline_peak_bytes if plan else 0,
-        plan.baseline_step_seconds if plan else 0.0,
+        plan.report.baseline_peak_bytes if plan else 0,
+        plan.report.baseline_step_seconds if plan else 0.0,
     )
-    return new, peak, budget
+    # made for the same model, batch and device as the plan it replaces
+    return (replace(new, made_for=plan.made_for) if plan else new), peak, budget

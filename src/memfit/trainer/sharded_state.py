@@ -111,7 +111,6 @@ class _SafePlanner(DefaultLoadPlanner):
             loaded = torch.load(value, weights_only=True)
         except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
             raise StateError(f"a shard item cannot be loaded safely (weights_only): {exc}") from None
-        # Note [shards read with weights_only]
         # DCP's own load_bytes places the item (nested keys and all) but reads it with
         # weights_only=False; it gets the item re-saved from what weights_only already built.
         super().load_bytes(read_item, _saved(loaded))

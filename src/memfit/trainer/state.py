@@ -85,7 +85,6 @@ def state_key(create: bool = True) -> bytes:
 
     The key is ``$MEMFIT_STATE_KEY``'s file, or ``~/.config/memfit/state.key``.
     """
-    # Note [the state key lives with the user]
     # The key lives with the user, not with the run, so a run directory copied from elsewhere,
     # key and all, is not trusted by accident. It is created by a link of a finished temporary
     # file, so two processes starting at once agree on one key.
@@ -210,7 +209,6 @@ def save_state(state: dict[str, Any], path: str | os.PathLike[str], keep_previou
 
 def _write_signed(f: Any, state: dict[str, Any], key: bytes) -> None:
     """Header placeholder, the ``torch.save`` archive streamed to the file, then the header."""
-    # Note [streamed saves]
     # Streamed, not built in memory first: a save needs no second copy of the state in host
     # memory (the save after an out-of-memory re-plan failed that way). The archive's offsets
     # are its own, so the payload loads from any position.

@@ -134,16 +134,13 @@ class Stepper:
             asked = precision if precision is not None else plan.precision
             micro_batches = micro_batches if micro_batches is not None else plan.micro_batches
         self.plan = plan
-        self.precision = as_precision(asked, device=self.device)
-        if self.precision.fp32_modules:
-            self.precision.attach(model)
+        self.precision = as_precision(asked, device=self.device)  # its fp32 modules: memfit.apply
         self.micro_batches = 1 if micro_batches is None else int(micro_batches)
         if self.micro_batches < 1:
             raise ConfigError(f"micro_batches must be at least 1, got {micro_batches!r}.")
         if clip_norm is not None and not clip_norm > 0:
             raise ConfigError(f"clip_norm must be positive (or None for no clipping), got {clip_norm!r}.")
         self.clip_norm = clip_norm
-        # Note [one planned step]
         # Every step is memfit.loop.planned_step of this plan (memfit.train_step's own step);
         # without a plan, the model's checkpointing, precision and micro-batches are one.
         self._running = plan or Plan(
@@ -182,7 +179,6 @@ class Stepper:
         """The re-plans after out-of-memory steps, in order."""
 
     def _track_this_step(self) -> bool:
-        # Note [the steady state]
         # A step is steady once optimizer state exists (Adam's moments are created lazily by
         # the first step) or a step was taken (SGD without momentum has no state at all).
         steady = self.step_count > 0 or len(self.optimizer.state) > 0
@@ -260,7 +256,6 @@ class Stepper:
                 if not is_out_of_memory(exc) or isinstance(exc, OutOfMemory):
                     raise
                 error = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            # Note [re-planning outside the except clause]
             # Out of the except clause, the error's traceback (and the activations its frames
             # hold) is gone before re-planning needs the memory.
             if error is None:
@@ -285,6 +280,7 @@ class Stepper:
         why, new = refusal(self.oom, self.dist.active, attempt), None
         if why is None:
             try:
+                # See Note [re-planning from the profiles alone] in memfit.trainer.oom
                 new, peak, budget = replan(
                     unwrap(self.model), batch, self.loss_fn, self.optimizer, self.precision.mode, self.plan,
                     self.micro_batches, self.memory.peak_bytes if self.memory else None, self.oom,

@@ -2,7 +2,7 @@
 
 It composes the pieces and decides nothing: every step is :func:`memfit.step.training_step`
 (autocast, loss scaling, gradient accumulation, clipping after unscaling, zero_grad with
-``set_to_none``), memory comes from :class:`memfit.measure.memory.MemoryWatch`, and
+``set_to_none``), memory comes from :class:`memfit.measuring.tracker.MemoryWatch`, and
 training state goes through :mod:`memfit.trainer.state`.
 
 One step (guard, memory tracking, re-planning after running out of memory) is the
@@ -39,6 +39,7 @@ from torch import nn
 
 from memfit import progress
 from memfit.check.guards import Guard, GuardConfig
+from memfit.checkpointing.compile import is_compiled
 from memfit.devices import unwrap
 from memfit.errors import ConfigError, StateError
 from memfit.precision import Precision
@@ -58,7 +59,6 @@ __all__ = ["Trainer", "TrainerCallback"]
 STATE_FORMAT = "memfit-training-state"
 
 
-# Note [callbacks as a protocol]
 # The Trainer calls its callbacks through a Protocol, so that it need not import
 # memfit.trainer.callbacks (whose callbacks refer to the Trainer): the import graph stays a tree.
 
@@ -114,7 +114,7 @@ class Trainer:
             (:func:`memfit.trainer.distributed.init_distributed`); ``model`` is then the DDP or
             FSDP2-wrapped model, each step takes this rank's slice of the global batch and
             reports the loss averaged over all ranks.
-        guard: the overflow guard's settings (default :class:`memfit.GuardConfig`: on,
+        guard: the overflow guard's settings (default :class:`memfit.check.guards.GuardConfig`: on,
             ``on_overflow="stop"``); ``GuardConfig(on_overflow="fallback")`` switches
             precision instead of stopping where it can.
         last_good_path: where the guard writes the last good training state before it
@@ -334,11 +334,14 @@ class Trainer:
         for callback in self.callbacks:
             callback.on_fit_start(self)
         completed = False
-        bar = tqdm(total=steps, disable=not self.progress_enabled(), unit="step", dynamic_ncols=True)
+        # the bar counts the model's steps (the demo's 250, a resumed run's 20 to 40), not this call's
+        start, end = self.step_count, self.step_count + steps
+        shown = self.progress_enabled()
+        bar = tqdm(total=end, initial=start, disable=not shown, unit="step", dynamic_ncols=True)
         # In a log (no terminal), the same progress as rate-limited plain lines on stderr.
         in_lines = self.progress is not False and not self.progress_enabled() and progress.style() == "lines"
         stack = contextlib.ExitStack()
-        phase = stack.enter_context(progress.phase("training", total=steps)) if in_lines else None
+        phase = stack.enter_context(progress.phase("training", end, start)) if in_lines else None
         try:
             for i in range(steps):
                 try:
@@ -349,10 +352,14 @@ class Trainer:
                 metrics = self.step(batch, eval_fn if (due or i == steps - 1) else None)
                 done.append(metrics)
                 postfix = progress_postfix(metrics, self.precision.scaler.is_enabled())
+                compiled = i == 0 and is_compiled(unwrap(self.model))  # it compiled: not a typical step
                 bar.update(1)
                 bar.set_postfix_str(postfix, refresh=False)
+                if compiled:
+                    bar.reset(total=end)  # the time left is estimated from the steps after it
+                    bar.update(start + 1)
                 if phase is not None:
-                    phase.advance(1, postfix)
+                    phase.advance(1, postfix, timed=not compiled)
                 self.stop_reason = agreed_stop(self.stop_reason, self.dist)
                 if self.stop_reason is not None:
                     break

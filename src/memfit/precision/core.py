@@ -1,4 +1,4 @@
-"""Mixed precision: one object that gives the autocast context and the loss scaler.
+"""Mixed precision for one device: :class:`Precision`, the autocast context and the loss scaler.
 
 Trade-off: bf16 and fp16 halve the bytes of most activations and run faster where the
 hardware computes in them natively; fp16 needs dynamic loss scaling because its range is
@@ -6,7 +6,8 @@ small (largest value 65504), and some modules (losses, norms over long sums) are
 kept in fp32 via ``fp32_modules``.
 
 The fp32 path uses the same code: ``autocast()`` is a ``nullcontext`` and the scaler is a
-disabled ``GradScaler`` whose ``scale``/``step``/``update`` pass straight through.
+disabled ``GradScaler`` whose ``scale``/``step``/``update`` pass straight through. What each
+precision does is its :class:`~memfit.precision.kind.PrecisionKind` (:mod:`memfit.precision.registry`).
 
 Example:
     >>> p = Precision("fp32", device="cpu")
@@ -31,15 +32,14 @@ from torch.utils._pytree import tree_map
 from memfit.checkpointing.layers import set_forward_layer
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, UnsupportedPrecision
+from memfit.precision.kind import PrecisionKind
+from memfit.precision.registry import PRECISION_KINDS, precision_kind
 from memfit.vocab import PrecisionChoice, PrecisionName, normalize_precision
 
-__all__ = ["DTYPES", "Precision"]
+__all__ = ["DTYPES", "Precision", "as_precision"]
 
-DTYPES: dict[PrecisionName, torch.dtype] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    "fp16": torch.float16,
-}
+#: Each precision's autocast dtype (fp32: none), by name.
+DTYPES: dict[str, torch.dtype] = {name: kind.dtype for name, kind in PRECISION_KINDS.items()}
 _TAG = "fp32"
 
 
@@ -82,39 +82,35 @@ class Precision:
             choice = normalize_precision(mode, allow_auto=True)
         except ConfigError as exc:
             raise UnsupportedPrecision(str(exc)) from None
-        if choice == "auto":
-            mode = recommend_precision(facts)
-            if mode == "bf16":
-                self.reason = f"{facts.description} computes bf16 natively"
-            elif mode == "fp16":
-                self.reason = f"{facts.description} has fast fp16 but no native bf16"
-            else:
-                self.reason = f"{facts.description} has no native bf16 or fp16, so fp32 is fastest"
-        else:
-            mode = choice
-            self.reason = "asked for"
-        if mode == "bf16" and not facts.bf16_runs:
-            raise UnsupportedPrecision(
-                f"{facts.description} ({facts.name}) cannot run bf16; use 'fp16' (with loss "
-                "scaling) or 'fp32'."
-            )
-        if mode == "fp16" and not facts.fp16_runs:
-            raise UnsupportedPrecision(
-                f"{facts.description} ({facts.name}) cannot run fp16; use 'bf16' or 'fp32'."
-            )
-        self.mode: PrecisionName = mode
-        self.dtype: torch.dtype = DTYPES[mode]
+        kind = precision_kind(recommend_precision(facts) if choice == "auto" else choice)
+        self.reason = (
+            kind.chosen_because.format(device=facts.description) if choice == "auto" else "asked for"
+        )
+        why = kind.refusal(facts)
+        if why is not None:
+            raise UnsupportedPrecision(why)
+        self.kind: PrecisionKind = kind
+        """What this precision is (:mod:`memfit.precision.registry`)."""
+        self.mode: PrecisionName = normalize_precision(kind.name)
+        self.dtype: torch.dtype = kind.dtype
         self.fp32_modules: tuple[str | type[nn.Module], ...] = tuple(fp32_modules)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=mode == "fp16")
+        self.scaler = kind.scaler(self.device.type)
 
     def __repr__(self) -> str:
         return f"Precision(mode={self.mode!r}, device={str(self.device)!r}, reason={self.reason!r})"
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The context the forward pass runs in (``nullcontext`` for fp32)."""
-        if self.mode == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return self.kind.autocast(self.device.type)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """The backward of ``loss``, scaled when the precision scales it; returns the scaled loss."""
+        return self.kind.backward(loss, self.scaler)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step ``optimizer`` through the scaler; returns whether the step was skipped (fp16: an
+        overflow lowers the scale instead)."""
+        return self.kind.optimizer_step(optimizer, self.scaler)
 
     def attach(self, model: nn.Module) -> nn.Module:
         """Make ``fp32_modules`` of ``model`` run in fp32 under autocast; returns ``model``.
