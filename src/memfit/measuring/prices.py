@@ -57,7 +57,7 @@ OUTLIER_MADS = 3.0
 RECOMPUTE_WIDTH = 0.5
 #: The least a block in micro-batches is taken to cost over whole (a measured gain below
 #: this is a disturbed timing, or a cache effect the step as a whole will not see).
-LEAST_MICRO_RATIO = 0.9
+LEAST_MICRO_RATIO = 1.0
 
 
 def micro_label(micro_batches: int) -> str:
