@@ -85,7 +85,7 @@ def test_mnasnet_plans_at_50_percent_and_measures_as_predicted() -> None:
     batch = _images(8, 112)
     opt = torch.optim.AdamW(model.parameters())
     plan = memfit.plan(model, batch, _ce, "50%", opt, precision="fp32")
-    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.5 * plan.baseline_peak_bytes)
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.5 * plan.report.baseline_peak_bytes)
     memfit.apply(model, plan)
     measured = memfit.measure(model, batch, _ce, opt, "fp32", steps=1, micro_batches=plan.micro_batches)
     assert measured.peak_bytes <= plan.budget_bytes
