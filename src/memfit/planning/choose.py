@@ -273,7 +273,12 @@ def _cannot_win(profiles: Mapping[str, Profile], micro: int, best: _Found, tie: 
 # micro-batch count is therefore a candidate, not only where nothing fits whole: from one
 # up, until even the cheapest plan at that count (every block at its cheapest, budget
 # aside) cannot tie the fastest found, since what micro-batches add grows with their
-# number. Among plans that tie, the fewest micro-batches win (the step is the user's step;
+# number. Each count's plan is picked among that count's candidates (the solver's and
+# PyTorch's own configurations, as for the batch whole), and replaces the plan of fewer
+# micro-batches only where it is faster beyond what the noise can move both: a plan in
+# micro-batches, uncertain by its rounds' spread of its whole time, neither wins a tie nor
+# makes PyTorch's configurations look as fast as a whole-batch plan clearly faster than
+# them. So among plans that tie, the fewest micro-batches win (the step is the user's step;
 # BatchNorm sees the whole batch), and the forward ops they dispatch again count as work.
 # A profile without a time model (Profile.speed None: an estimate, a profile built by
 # hand) cannot price a micro-batch, so there the batch is split only where nothing fits
@@ -317,8 +322,10 @@ def _search(
             break
         more, more_standard = _candidates(profiles, budget, micro, tie, segments, baseline)
         found, standard = found + more, standard + more_standard
-        if found or standard:
-            best = _pick(found, standard, tie, prefer)
+        if more or more_standard:
+            here = _pick(more, more_standard, tie, prefer)
+            if best is None or (here.seconds < best.seconds and not _ties(here, best, tie)):
+                best = here
     return found + standard, best
 
 
