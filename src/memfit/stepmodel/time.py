@@ -154,7 +154,10 @@ def option_seconds(
 # rows``). Every other part pays in proportion to its share of
 # counted ops (what does not shrink with the rows) over the timed block's: a stem of a few
 # large convolutions less, a part of many small ops more, and never more than running whole
-# once per extra micro-batch. Without a measurement the counted ops alone are the price. A
+# once per extra micro-batch. Never less either than its counted ops dispatched again once
+# per extra micro-batch: a timed ratio below that (on a loaded machine the block whole and
+# split can fall in different moments) is a disturbed timing, and without a measurement
+# those counted ops alone are the price. A
 # plan in k micro-batches costs its whole-batch time plus that: priced like everything else,
 # never free, so the chooser weighs micro-batches against checkpointing wherever both fit.
 
@@ -194,11 +197,12 @@ def call_seconds(profile: Profile, part: BlockStats, micro_batches: int) -> floa
     share = _ops_share(profile, part)
     ratio = micro_batch_ratio(sp, micro_batches)
     timed = next((b for b in profile.blocks if b.name == sp.timed_block), None)
+    dispatched = (micro_batches - 1) * share  # every op again: the least splitting adds
     if ratio is None or timed is None or _ops_share(profile, timed) <= 0:
-        added = (micro_batches - 1) * share
+        added = dispatched
     else:
-        added = (ratio - 1) * share / _ops_share(profile, timed)
-    return whole * min(micro_batches - 1, max(0.0, added))
+        added = max(dispatched, (ratio - 1) * share / _ops_share(profile, timed))
+    return whole * min(micro_batches - 1, added)
 
 
 def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batches: int) -> float:
