@@ -133,8 +133,10 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # fraction moves each extra by as much). What micro-batches cost is timed as the block in
 # them over the block whole, round by round, so a plan in micro-batches is uncertain by
 # those rounds' spread (Speed.micro_spread) of its whole time, not only of what splitting
-# adds: on a loaded machine, where those rounds scatter, micro-batches are chosen only
-# where clearly faster. Among ties the
+# adds, or by the spread of the checkpointing rounds where that is larger (both sets of
+# rounds ran moments apart on one block: either scattering says the machine is loaded, and a
+# few rounds can agree by chance): on a loaded machine micro-batches are chosen only where
+# clearly faster. Among ties the
 # key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -162,8 +164,8 @@ class _Found(NamedTuple):
     """Predicted step seconds."""
     uncertain: float
     """How far timing noise can move them: checkpointing's extra over every block at its
-    cheapest times its prices' spread and, in micro-batches, the whole time times theirs,
-    each spread at most :data:`NOISE_CAP` (See Note [plans repeat])."""
+    cheapest times its prices' spread and, in micro-batches, the whole time times the larger of
+    theirs and that, each spread at most :data:`NOISE_CAP` (See Note [plans repeat])."""
     work: tuple[int, int]
     """What its options add, counted (:func:`~memfit.planning.solver.counted_work`), and the
     forward ops its micro-batches after the first dispatch again (with selective's ops)."""
@@ -189,7 +191,8 @@ def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, 
     uncertain = 0.0
     if sp is not None:
         split = seconds if micro > 1 else 0.0  # See Note [plans repeat]
-        uncertain = min(NOISE_CAP, sp.spread) * checkpointing + min(NOISE_CAP, sp.micro_spread) * split
+        machine = max(sp.spread, sp.micro_spread)  # the rounds of one moment: the machine's noise
+        uncertain = min(NOISE_CAP, sp.spread) * checkpointing + min(NOISE_CAP, machine) * split
     counted = [counted_work(prof, o) for o in sol.options]
     # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])
     repeated = (micro - 1) * (sum(b.forward_ops for b in prof.blocks) + prof.outside.forward_ops)
