@@ -67,12 +67,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy src
 
+# Two workers (XDIST=0 runs in one process); a test file stays on one worker, in its order, with its
+# module fixtures built once (the docs' shell blocks share one clone).
+XDIST ?= 2
+XDIST_ARGS := $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile)
+
 unit: $(STAMP)
-	$(BIN)/pytest -q $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(XDIST_ARGS) $(PYTEST_ARGS)
 
 # The tests that need the extras; in .venv (without them) they are skipped with a reason.
 extras: $(EXTRAS_STAMP)
-	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(EXTRAS_TESTS)
+	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(XDIST_ARGS) $(EXTRAS_TESTS)
 
 # The newest-stack suite; its FutureWarnings are shown, none filtered (pyproject.toml fails memfit's own).
 newest: $(NEWEST_STAMP)

@@ -8,11 +8,11 @@ by the caller, unconstrained), plans at ``--budget`` times that peak, applies th
 ``RESULT {json}`` line: the plan, its prediction, the losses, whether the plain step fails
 under the limit (``--try-plain``), and what the planner measured.
 
-The environment must set ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_ARENA_MAX=1`` so the address
-space in use follows the tensors alive (see ``oom_rlimit_worker.py``). What a first step loads
-once per process (modules imported lazily: 68 MiB of address space for a Hugging Face model
-under fake tensors) is loaded before the limit, by one fake-tensor step on a batch of one: the
-limit is on the step's memory, not on the libraries.
+Warmed up as a user would be (issue 36): one ordinary training step on a batch of one creates
+the optimizer's state before the limit; nothing else runs first (what planning's fake-tensor
+step loads, it loads under the limit). The environment need not tune glibc's malloc: memfit
+does what ``MALLOC_MMAP_THRESHOLD_`` would where ``RLIMIT_AS`` is the tightest limit (See Note
+[address space under RLIMIT_AS] in memfit/devices.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,6 @@ from rlimit import limit_address_space
 
 import memfit
 from memfit.errors import MemfitError, is_out_of_memory
-from memfit.measuring.fake_profile import memory_profile
-from memfit.measuring.preserve import create_optimizer_state
 from memfit.planning.largest_batch import resize_batch
 from memfit.precision import Precision
 from memfit.step import training_step
@@ -61,8 +59,9 @@ def main() -> None:
     torch.set_num_threads(1)
     model, batch, loss_fn = build(args.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    create_optimizer_state(model, opt)
-    memory_profile(model, resize_batch(batch, 2), loss_fn, opt)  # loads what a first step needs
+    loss_fn(model, resize_batch(batch, 1)).backward()  # one ordinary step, as a user's first
+    opt.step()
+    opt.zero_grad(set_to_none=True)
     limit_address_space(int(args.room * args.peak))
     if args.bench:
         points = memfit.bench(model, batch, loss_fn, opt, strategies=["fp32/none", "fp32/full"], steps=1)

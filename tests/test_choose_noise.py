@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from memfit.measuring.block_timing import fit_prices, timing_spread
+from memfit.measuring.prices import fit_prices, timing_spread
 from memfit.planning.choose import NOISE_CAP, plan_from_profiles
 from memfit.planning.solver import as_fast, counted_work, solve
 from memfit.records import BlockStats, Plan, Profile, Speed
@@ -47,7 +47,7 @@ def _profile(checkpoint: float, recompute: float, selective_op: float, spread: f
     prof = Profile(
         "fp32",
         "cpu",
-        8,
+        1,  # one row: these plans choose checkpointing, not micro-batches
         [_block(i) for i in range(4)],
         outside,
         0,
@@ -137,13 +137,17 @@ def test_the_spread_is_half_the_range_over_the_median_and_one_when_the_fit_is_cl
     assert timing_spread({"full": [-1.0, 0.0, 0.5]}) == 1.0
     assert timing_spread({"full": [1.0]}) == 0.0
     prof = _profile(1e-3, 1.0, 2e-6, 0.0)
-    assert prof.speed is not None
-    modelled = prof.speed.forward_scale * forward_work(prof, prof.blocks[0])
-    # a recompute timed 1.1 times its modelled forward (plus the call): fitted, spread as timed
-    extras = [1.05 * modelled + 1e-3, 1.1 * modelled + 1e-3, 1.15 * modelled + 1e-3]
-    fit_prices(prof, "b0", {"full": extras})
-    assert prof.speed.recompute_scale == pytest.approx(1.1)
-    assert prof.speed.spread == pytest.approx(timing_spread({"full": extras}))
+    sp = prof.speed
+    assert sp is not None
+    modelled = sp.forward_scale * forward_work(prof, prof.blocks[0])
+    whole = (sp.forward_scale + sp.backward_scale) * forward_work(prof, prof.blocks[0])
+    # a recompute timed 1.1 times its modelled forward (plus the call), as ratios over none's
+    # round (none at 2 s, the load's doing): fitted near it (the prior, 1, pulls by the spread)
+    ratios = [(c * modelled + 1e-3) / whole for c in (1.05, 1.1, 1.15)]
+    fit_prices(prof, "b0", {"none": [2.0] * 3, "full": [2.0 * (1 + r) for r in ratios]})
+    assert sp.recompute_scale == pytest.approx(1.1, rel=0.01)
+    assert sp.spread == pytest.approx(timing_spread({"full": ratios}))
     # timed 10 times its forward: a disturbed timing, clamped, and it tells nothing
-    fit_prices(prof, "b0", {"full": [10 * modelled + 1e-3] * 3})
-    assert prof.speed.recompute_scale == 4.0 and prof.speed.spread == 1.0
+    ten = (10 * modelled + 1e-3) / whole
+    fit_prices(prof, "b0", {"none": [1.0] * 3, "full": [1 + ten] * 3})
+    assert sp.recompute_scale == 4.0 and sp.spread == 1.0

@@ -117,6 +117,9 @@ def _checkpointed(case: str, variant: str) -> nn.Module:
         prof = memfit.profile(copy.deepcopy(model), batch, loss_fn, repeats=1)
         full, none = simulate(prof, "full").peak_bytes, simulate(prof, "none").peak_bytes
         budget = full + (none - full) // 4
+        # without a time model, micro-batches are only where nothing fits the batch whole
+        # (See Note [micro-batches where they are faster] in memfit/planning/choose.py)
+        prof.speed = None
         plan = memfit.plan(
             model, batch, loss_fn, budget, precision="fp32", check=False, profiles={"fp32": prof}
         )

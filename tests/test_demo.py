@@ -7,6 +7,10 @@ import torch
 from memfit.cli.main import main
 from memfit.trainer.callbacks import read_metrics
 
+#: The demo's largest loss difference when its plan splits the batch: fp32 summation order only,
+#: over 3 AdamW steps (a wrong gradient moves the loss by 1e-2 or more).
+MICRO_BATCH_LOSS_ATOL = 1e-3
+
 
 def test_demo_short_run_writes_table_and_files(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "demo"
@@ -20,7 +24,13 @@ def test_demo_short_run_writes_table_and_files(tmp_path, capsys) -> None:  # typ
     assert code == 0
     text = capsys.readouterr().out
     assert "peak vs baseline" in text and "step time vs baseline" in text and "final val loss" in text
-    assert "the losses are identical." in text  # full checkpointing in fp32 changes no number
+    if " micro-batches" in text:
+        # The planner may weigh micro-batches faster on a loaded machine (issue 36): the summed
+        # gradients then differ from the whole batch's by fp32 rounding only.
+        said = next(line for line in text.splitlines() if "the losses differ by at most" in line)
+        assert float(said.split("at most ")[1].split()[0].rstrip(".")) <= MICRO_BATCH_LOSS_ATOL, said
+    else:
+        assert "the losses are identical." in text  # checkpointing in fp32 changes no number
     assert sorted(p.name for p in out.iterdir()) == ["loss.png", "memory.png", "metrics.jsonl", "report.md"]
     for png in ("loss.png", "memory.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

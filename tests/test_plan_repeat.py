@@ -31,3 +31,20 @@ def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
     assert len({plan_key(p) for p in plans}) == 1, [plan_key(p) for p in plans]
     assert any(m != "none" for m in plans[0].blocks.values())  # the budget needs checkpointing
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
+
+
+@pytest.mark.slow
+def test_five_plan_calls_on_the_readme_gpt_at_60_percent_on_a_busy_machine_give_one_plan() -> None:
+    """Issue 36's case: the README's GPT (4 x 128, batch 8 x 128), every core busy; micro-batches
+    are candidates too (See Note [micro-batches where they are faster])."""
+    from memfit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=128))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batch = token_batch(8, 128)
+    with busy_cores() as hogs:
+        plans = [memfit.plan(model, batch, gpt_loss, "60%", opt, precision="fp32") for _ in range(5)]
+        assert all(h.poll() is None for h in hogs)
+    assert len({plan_key(p) for p in plans}) == 1, [plan_key(p) for p in plans]
+    assert all(p.measured_peak_bytes <= p.budget_bytes for p in plans)

@@ -14,6 +14,8 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 import os
 import resource
@@ -30,6 +32,7 @@ __all__ = [
     "ROOM_MARGIN",
     "DeviceFacts",
     "Room",
+    "address_space_limited",
     "all_device_facts",
     "default_device",
     "device_facts",
@@ -37,6 +40,7 @@ __all__ = [
     "recommend_precision",
     "recommendation_line",
     "resolve_device",
+    "return_freed_address_space",
     "room",
     "room_needed",
     "slow_precisions",
@@ -379,6 +383,8 @@ def _cpu_room() -> Room:
     if not limits:
         return Room(free=max(0, _cpu_memory()), source="physical memory")
     source = min(limits, key=lambda k: limits[k])
+    if source == "RLIMIT_AS":  # the room is what can be allocated: See Note [address space under RLIMIT_AS]
+        return_freed_address_space()
     return Room(free=max(0, limits[source]), source=source)
 
 
@@ -399,8 +405,9 @@ def room(device: str | torch.device) -> Room | None:
     """How much more this process can allocate on ``device`` now (None: unknown, e.g. MPS).
 
     CPU: the tightest of ``MemAvailable``, the address-space limit (``RLIMIT_AS`` less the
-    address space in use) and the memory cgroup's limit. CUDA: the device's free memory
-    (capped by ``torch.cuda.set_per_process_memory_fraction``) plus what the caching
+    address space in use; where it is the tightest, freed memory is made to return its address
+    space: See Note [address space under RLIMIT_AS]) and the memory cgroup's limit. CUDA: the
+    device's free memory (capped by ``torch.cuda.set_per_process_memory_fraction``) plus what the caching
     allocator holds unused.
 
     Example:
@@ -414,3 +421,55 @@ def room(device: str | torch.device) -> Room | None:
     if dev.type == "cuda":
         return _cuda_room(dev)
     return None
+
+
+# Note [address space under RLIMIT_AS]
+# Under a limit on the address space (RLIMIT_AS), what counts is memory mapped, not memory
+# used. glibc's malloc keeps what a step frees mapped in its heap (its mmap threshold grows
+# with every large block freed, up to 32 MiB, and the heap is trimmed only at its top), so
+# after a few steps of different shapes (planning's, in micro-batches, checkpointed) the
+# process holds hundreds of MiB of freed address space that a step of another shape cannot
+# reuse, and a plan that fits the limit runs out of it. Where RLIMIT_AS is the tightest
+# limit, memfit asks glibc to map every allocation of 64 KiB or more on its own
+# (``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_=65536`` does at start-up), so
+# freeing a tensor returns its address space (and to keep to the malloc arenas it has:
+# another thread's arena would reserve 64 MiB of address space), and measuring keeps its
+# snapshot of the weights in a file (:func:`memfit.measuring.preserve.preserved`). The price is a page fault
+# per fresh page of every large tensor, paid only by processes under such a limit. Other
+# C libraries (musl) and other systems are left alone.
+
+#: glibc's ``mallopt`` parameters for the mmap threshold and the number of arenas, and what
+#: memfit sets them to (a thread's new arena would reserve 64 MiB of address space).
+_M_MMAP_THRESHOLD, _MAP_FROM, _M_ARENA_MAX = -3, 64 * 1024, -8
+_MAPPED: list[bool] = []
+"""Whether glibc was told (once per process; empty: not yet)."""
+
+
+def address_space_limited(device: str | torch.device = "cpu") -> bool:
+    """Whether ``device`` is the CPU and the address-space limit (``RLIMIT_AS``) is the
+    tightest limit on its room. See Note [address space under RLIMIT_AS].
+
+    Example:
+        >>> address_space_limited("meta")
+        False
+    """
+    if torch.device(device).type != "cpu":
+        return False
+    return _cpu_room().source == "RLIMIT_AS"
+
+
+def return_freed_address_space() -> bool:
+    """Have glibc map every allocation of 64 KiB or more on its own, so freeing it returns
+    its address space, and keep to the arenas it has; True where that was done (glibc),
+    False elsewhere. Once per process. See Note [address space under RLIMIT_AS].
+    """
+    if not _MAPPED:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            done = hasattr(libc, "gnu_get_libc_version") and bool(libc.mallopt(_M_MMAP_THRESHOLD, _MAP_FROM))
+            if done:
+                libc.mallopt(_M_ARENA_MAX, 1)
+        except Exception:  # no glibc, or no room left to ask: the allocator stays as it is
+            done = False
+        _MAPPED.append(done)
+    return _MAPPED[0]

@@ -77,7 +77,8 @@ def test_plan_at_60_percent_holds_when_measured(name: str) -> None:
     plan = memfit.plan(model, batch, hf_causal_loss, "60%", opt, precision="fp32")
     assert plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
     memfit.apply(model, plan)
-    assert any(m != "none" for m in plan.blocks.values())
+    # the saving: checkpointed blocks, or micro-batches where the planner weighs them faster
+    assert plan.micro_batches > 1 or any(m != "none" for m in plan.blocks.values())
     measured = memfit.measure(
         model, batch, hf_causal_loss, opt, "fp32", steps=1, micro_batches=plan.micro_batches
     )

@@ -76,6 +76,22 @@ def test_resnet18_plan_at_60_percent_holds_when_measured() -> None:
     assert measured.peak_bytes <= plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
 
 
+@pytest.mark.slow
+def test_mnasnet_plans_at_50_percent_and_measures_as_predicted() -> None:
+    """MNASNet's ``_load_from_state_dict`` refuses a state without its ``_version`` metadata
+    (issue 36): planning's snapshot keeps it."""
+    torch.manual_seed(0)
+    model = torchvision.models.mnasnet0_5(num_classes=10)
+    batch = _images(8, 112)
+    opt = torch.optim.AdamW(model.parameters())
+    plan = memfit.plan(model, batch, _ce, "50%", opt, precision="fp32")
+    assert plan.predicted_peak_bytes <= plan.budget_bytes == int(0.5 * plan.report.baseline_peak_bytes)
+    memfit.apply(model, plan)
+    measured = memfit.measure(model, batch, _ce, opt, "fp32", steps=1, micro_batches=plan.micro_batches)
+    assert measured.peak_bytes <= plan.budget_bytes
+    assert abs(measured.peak_bytes - plan.predicted_peak_bytes) <= 0.05 * plan.predicted_peak_bytes
+
+
 def test_timm_resnet_blocks_found() -> None:
     timm = pytest.importorskip("timm", reason="timm not installed")
     model = timm.create_model("resnet18", pretrained=False, num_classes=10)

@@ -113,9 +113,8 @@ def test_planned_gradients_equal_plain(setup: Setup, squeeze: str) -> None:
         # per-block modes fit only with micro-batches; a segment may make room without them
         assert plan.micro_batches > 1 or plan.segments
     else:
-        assert plan.micro_batches == 1
-    if squeeze == "checkpointing":
-        assert set(plan.blocks.values()) != {"none"}
+        # checkpointing fits the whole batch; micro-batches are chosen where predicted faster
+        assert set(plan.blocks.values()) != {"none"} or plan.micro_batches > 1
     plain = copy.deepcopy(s.model)
     planned = memfit.apply(copy.deepcopy(s.model), plan).model
     want = _grads(plain, s, plan.micro_batches)

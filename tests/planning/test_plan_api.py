@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -173,11 +174,12 @@ def test_a_plan_never_measured_under_budget_reports_the_last_peak(monkeypatch: p
     model, batch = tiny_gpt(), token_batch()
     seen: list[int] = []
 
-    def over(request: object, result: Plan, budget: int, lines: object) -> tuple[int, bool]:
+    def over(request: object, result: Plan, lines: object) -> tuple[int, bool]:
+        budget = seen[0] - 1 if seen else result.budget_bytes  # the tighter plans' reports are empty
         seen.append(budget + 1 + len(seen))
         return seen[-1], True
 
-    def tighter(chosen: object, profiles: object, result: Plan, *rest: object) -> tuple:
+    def tighter(request: object, chosen: object, profiles: object, result: Plan, *rest: object) -> tuple:
         return dataclasses.replace(result, report=PlanReport()), profiles
 
     monkeypatch.setattr(checked, "_measure_in_room", over)
@@ -187,3 +189,77 @@ def test_a_plan_never_measured_under_budget_reports_the_last_peak(monkeypatch: p
     assert len(seen) == checked.CHECKS
     assert f"the last measured {format_bytes(seen[-1])}" in str(info.value)
     assert info.value.minimum_bytes == seen[-1]
+
+
+def _budget_searched(monkeypatch: pytest.MonkeyPatch, first: object) -> tuple[list[int], list[Plan]]:
+    """Plan with the first measurement replaced by ``first(result)`` (the rest real), and
+    record the budgets the re-plans searched."""
+    from memfit.planning import checked
+
+    searched: list[int] = []
+    measured: list[Plan] = []
+    real_measure, real_tighter = checked._measure_in_room, checked._tighter
+
+    def measure(request: Any, result: Plan, lines: list[str]) -> tuple[int, bool]:
+        measured.append(result)
+        return first(result) if len(measured) == 1 else real_measure(request, result, lines)  # type: ignore[operator]
+
+    def tighter(request: Any, chosen: Any, profiles: Any, result: Plan, budget: Any, *rest: Any) -> Any:
+        searched.append(budget[0] - budget[1])
+        return real_tighter(request, chosen, profiles, result, budget, *rest)
+
+    monkeypatch.setattr(checked, "_measure_in_room", measure)
+    monkeypatch.setattr(checked, "_tighter", tighter)
+    return searched, measured
+
+
+def test_a_plan_measured_over_budget_is_replanned_under_the_budget_less_the_excess_and_noted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36: the re-plan searches the user's budget less the excess measured, and the miss
+    is in the notes with both numbers."""
+    model, batch = tiny_gpt(n_layer=4), token_batch(8, 16)
+    excess: list[int] = []
+
+    def over(result: Plan) -> tuple[int, bool]:
+        excess.append(result.budget_bytes - result.predicted_peak_bytes + 1000)
+        return result.predicted_peak_bytes + excess[0], True
+
+    searched, measured = _budget_searched(monkeypatch, over)
+    p = memfit.plan(model, batch, gpt_loss, "50%", precision="fp32")
+    assert searched == [p.budget_bytes - excess[0]]  # the user's budget less the excess: nothing invented
+    assert p.predicted_peak_bytes <= searched[0] and p.measured_peak_bytes <= p.budget_bytes
+    first = measured[0]
+    before = first.predicted_peak_bytes
+    over_by = f"{before + excess[0]:,} B, over its prediction of {before:,} B"
+    assert any(f"measured {over_by}" in n for n in p.notes), p.notes
+
+
+def test_a_plan_that_runs_out_of_memory_when_measured_is_replanned_under_the_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from memfit.devices import Room
+    from memfit.planning import checked
+    from memfit.planning.budgets import held_bytes
+
+    model, batch = tiny_gpt(n_layer=4), token_batch(32, 16)
+    opt = torch.optim.AdamW(model.parameters())
+    gpt_loss(model, batch).backward()  # the optimizer's state, as planning holds it
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    predicted = memfit.plan(
+        model, batch, gpt_loss, "50%", opt, precision="fp32", check=False
+    ).predicted_peak_bytes
+    held = held_bytes(model, opt)
+    # room for 80% of what the plan's step needs beyond what is held (with Room's margin)
+    room = Room(free=16 * 2**20 + int(1.1 * 0.8 * (predicted - held)) + 2, source="a test")
+    searched, _ = _budget_searched(monkeypatch, lambda result: (checked.OUT_OF_MEMORY, True))
+    monkeypatch.setattr(checked, "room", lambda device: room)
+    p = memfit.plan(model, batch, gpt_loss, "50%", opt, precision="fp32")
+    assert searched == [held + room.usable] and p.predicted_peak_bytes <= held + room.usable < predicted
+    assert any("ran out of memory when measured" in m for m in p.report.measured), p.report.measured
+    # where the room holds the plan's prediction, a re-plan would choose it again: refused
+    _budget_searched(monkeypatch, lambda result: (checked.OUT_OF_MEMORY, True))
+    monkeypatch.setattr(checked, "room", lambda device: Room(free=2**40, source="a test"))
+    with pytest.raises(memfit.InfeasibleBudget, match="ran out of memory when measured although the device"):
+        memfit.plan(model, batch, gpt_loss, "50%", opt, precision="fp32")

@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import copy
 import math
-import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,8 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit import progress
 from memfit.checkpointing import set_block_modes
 from memfit.devices import model_device
-from memfit.records import Profile
-from memfit.stepmodel import forward_work, selective_work
+from memfit.measuring.prices import micro_label
 from memfit.vocab import CheckpointMode
 
 #: Rounds a block alone is timed in each mode at least, however long they take.
@@ -64,14 +62,15 @@ BLOCK_STEPS = 4.0
 __all__ = [
     "BLOCK_STEPS",
     "MIN_ROUNDS",
+    "MOST_MICRO_BATCHES",
     "BlockInputs",
-    "block_extras",
+    "Fewer",
+    "block_times",
     "capture_block_inputs",
     "describe_timing",
-    "extras_over_none",
-    "fit_prices",
+    "fewer_rows",
+    "micro_batch_inputs",
     "time_block_modes",
-    "timing_spread",
 ]
 
 
@@ -137,6 +136,74 @@ def _run(block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractCon
     torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
 
 
+#: The most micro-batches a block alone is timed in (a batch of more rows, in the fewest rows
+#: of a micro-batch that keep it at most this many).
+MOST_MICRO_BATCHES = 64
+
+#: The block's inputs for one micro-batch, and how many micro-batches make up its rows.
+Fewer = tuple[BlockInputs, int]
+
+
+def fewer_rows(seen: BlockInputs, rows: int, keep: int) -> BlockInputs | None:
+    """``seen`` with every tensor whose first dimension is ``rows`` cut to its first ``keep``
+    rows: the block's inputs for a micro-batch of ``keep`` (None where no tensor has ``rows``
+    first, or ``keep`` is not fewer).
+
+    Example:
+        >>> seen = BlockInputs((torch.ones(4, 3), torch.ones(3)), {}, seen=True)
+        >>> [tuple(a.shape) for a in fewer_rows(seen, 4, 1).args]
+        [(1, 3), (3,)]
+    """
+    cut = False
+
+    def one(value: Any) -> Any:
+        nonlocal cut
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            cut = True
+            return _keep(value[:keep])
+        return value
+
+    if keep >= rows or not seen.seen:
+        return None
+    args, kwargs = tree_map(one, (seen.args, seen.kwargs))
+    return BlockInputs(args, kwargs, seen=True) if cut else None
+
+
+def micro_batch_inputs(seen: BlockInputs, rows: int) -> list[Fewer]:
+    """The block's inputs for 2 micro-batches, for as many as it has ``rows`` (one row each;
+    at most :data:`MOST_MICRO_BATCHES`) and for a count between them, with their counts
+    (:func:`fewer_rows`; none where its inputs do not carry the rows first).
+
+    Example:
+        >>> seen = BlockInputs((torch.ones(32, 3),), {}, seen=True)
+        >>> [(tuple(f.args[0].shape), k) for f, k in micro_batch_inputs(seen, 32)]
+        [((16, 3), 2), ((4, 3), 8), ((1, 3), 32)]
+    """
+    out: list[Fewer] = []
+    counts = [k for k in range(2, min(rows, MOST_MICRO_BATCHES) + 1) if rows % k == 0]
+    most = counts[-1] if counts else 1
+    # and the count between 2 and the most, in log k: the curve bends
+    middle = min(counts[1:-1], key=lambda k: abs(math.log(k * k / (2 * most))), default=2)
+    for k in sorted({2, middle, most}):
+        fewer = fewer_rows(seen, rows, rows // k) if rows % k == 0 else None
+        if fewer is not None:
+            out.append((fewer, k))
+    return out
+
+
+def _timed_run(
+    block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]], cuda: bool
+) -> float:
+    device = model_device(block)
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    _run(block, seen, autocast)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
 def time_block_modes(
     model: nn.Module,
     name: str,
@@ -145,13 +212,19 @@ def time_block_modes(
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     within: float = math.inf,
+    fewer: Sequence[Fewer] = (),
 ) -> dict[str, list[float]]:
     """Seconds of block ``name``'s forward + backward alone, per mode, one per round.
 
     One untimed round warms each mode up; then every round runs the modes in the order
     given, so the i-th times of two modes were taken side by side. ``autocast`` makes the
-    context each run's forward runs in (the precision's autocast). Timing stops after the
-    round in which ``within`` seconds have passed, once :data:`MIN_ROUNDS` rounds were timed
+    context each run's forward runs in (the precision's autocast). With ``fewer`` (inputs of
+    one micro-batch and a count k: :func:`micro_batch_inputs`), each round also runs the block
+    without checkpointing k times on them, back to back (all its rows in k micro-batches: as
+    long, so as disturbed, as the other runs), their seconds together under
+    :func:`~memfit.measuring.prices.micro_label` of k (left out where the warm-up fails).
+    Timing stops after the round in which ``within`` seconds have passed, once
+    :data:`MIN_ROUNDS` rounds were timed
     (See Note [timing a block alone within a few steps]). The block's mode is put back to
     ``none`` (no checkpointing) afterwards.
 
@@ -161,8 +234,7 @@ def time_block_modes(
     if not seen.seen:
         raise RuntimeError(seen.error or f"block {name!r} was not called")
     block = model.get_submodule(name)
-    device = model_device(block)
-    cuda = device.type == "cuda"
+    cuda = model_device(block).type == "cuda"
     times: dict[str, list[float]] = {m: [] for m in modes}
     began = time.perf_counter()
     try:
@@ -170,14 +242,11 @@ def time_block_modes(
             for r in range(rounds + 1):
                 for mode in modes:
                     set_block_modes(model, {name: mode})
-                    if cuda:
-                        torch.cuda.synchronize(device)
-                    start = time.perf_counter()
-                    _run(block, seen, autocast)
-                    if cuda:
-                        torch.cuda.synchronize(device)
+                    took = _timed_run(block, seen, autocast, cuda)
                     if r > 0:
-                        times[mode].append(time.perf_counter() - start)
+                        times[mode].append(took)
+                timed = times if r > 0 else None
+                fewer = [f for f in fewer if _time_fewer(model, name, f, autocast, cuda, timed)]
                 if r > 0:  # round 0 warms each mode up
                     shown.advance()
                 if r >= MIN_ROUNDS and time.perf_counter() - began > within:
@@ -187,13 +256,32 @@ def time_block_modes(
     return times
 
 
-def extras_over_none(times: Mapping[str, list[float]]) -> dict[str, list[float]]:
-    """Each checkpointing mode's seconds over ``none``'s in the same round."""
-    none = times["none"]
-    return {m: [t - n for t, n in zip(ts, none, strict=True)] for m, ts in times.items() if m != "none"}
+def _time_fewer(
+    model: nn.Module,
+    name: str,
+    fewer: Fewer,
+    autocast: Callable[[], AbstractContextManager[Any]],
+    cuda: bool,
+    times: dict[str, list[float]] | None,
+) -> bool:
+    """Run the block without checkpointing on one micro-batch's inputs as many times as make up
+    its rows, adding their seconds to ``times`` (None: a warm-up); False where the warm-up
+    failed (that count is then left out)."""
+    inputs, runs = fewer
+    set_block_modes(model, {name: "none"})
+    block = model.get_submodule(name)
+    if times is not None:
+        took = sum(_timed_run(block, inputs, autocast, cuda) for _ in range(runs))
+        times.setdefault(micro_label(runs), []).append(took)
+        return True
+    try:
+        _timed_run(block, inputs, autocast, cuda)
+    except Exception:  # rows the block cannot take: micro-batches stay priced by their ops
+        return False
+    return True
 
 
-def block_extras(
+def block_times(
     model: nn.Module,
     name: str,
     seen: BlockInputs,
@@ -201,66 +289,14 @@ def block_extras(
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     within: float = math.inf,
+    fewer: Sequence[Fewer] = (),
 ) -> tuple[dict[str, list[float]], str]:
-    """Block ``name``'s seconds over none's per mode (:func:`time_block_modes`) and ``""``, or
-    no times and why the block cannot run alone."""
+    """Block ``name``'s seconds per mode (:func:`time_block_modes`) and ``""``, or no times and
+    why the block cannot run alone."""
     try:
-        times = time_block_modes(model, name, seen, modes, rounds, autocast, within)
-        return extras_over_none(times), ""
+        return time_block_modes(model, name, seen, modes, rounds, autocast, within, fewer), ""
     except Exception as exc:  # whatever stops one block running alone, the step still runs
         return {}, f"{type(exc).__name__}: {exc}"
-
-
-def fit_prices(prof: Profile, name: str, extras: Mapping[str, list[float]]) -> None:
-    """Fit ``prof.speed``'s recompute and selective prices to block ``name``'s measured extras.
-
-    ``recompute_scale``: the median full extra, less one checkpoint call, over the block's
-    scaled forward. ``selective_op_seconds``: what the median selective extra leaves after
-    its counted recompute and call, per op dispatched (forward and recompute), never below
-    the micro-benchmark's.
-    """
-    sp = prof.speed
-    block = next((b for b in prof.blocks if b.name == name), None)
-    if sp is None or block is None:
-        return
-    sp.timed_block = name
-    sp.spread = timing_spread(extras)
-    if extras.get("full"):
-        extra = statistics.median(extras["full"]) - sp.checkpoint_seconds
-        modelled = sp.forward_scale * forward_work(prof, block)
-        if modelled > 0 and extra > 0:
-            # A recompute is the same forward again: a fit outside a quarter to four times
-            # it is a disturbed timing, not the model, so it is clamped there (and the
-            # timings, telling nothing, spread 1).
-            sp.recompute_scale = min(4.0, max(0.25, extra / modelled))
-            sp.full_steps = len(extras["full"])
-        if modelled > 0 and (extra <= 0 or sp.recompute_scale != extra / modelled):
-            sp.spread = 1.0
-    if extras.get("selective") and block.forward_ops:
-        extra = statistics.median(extras["selective"])
-        counted = sp.forward_scale * sp.recompute_scale * selective_work(prof, block) + sp.checkpoint_seconds
-        sp.selective_op_seconds = max(sp.selective_op_seconds, (extra - counted) / (2 * block.forward_ops))
-        sp.selective_steps = len(extras["selective"])
-
-
-def timing_spread(extras: Mapping[str, list[float]]) -> float:
-    """How far a block's extras over ``none`` disagree across rounds: per mode, half their
-    range over their median, the largest, at most 1 (1: they tell nothing, as where a median
-    is not above 0); 0 where no mode has two rounds. See Note [plans repeat].
-
-    Example:
-        >>> round(timing_spread({"full": [1.0, 1.2, 1.1], "selective": [2.0, 2.0]}), 3)
-        0.091
-        >>> timing_spread({"full": [0.001, -0.002, 0.003]})
-        1.0
-    """
-    worst = 0.0
-    for ts in extras.values():
-        if len(ts) < 2:
-            continue
-        mid = statistics.median(ts)
-        worst = max(worst, 1.0 if mid <= 0 else (max(ts) - min(ts)) / (2 * mid))
-    return min(1.0, worst)
 
 
 def describe_timing(mode: str, micro_batches: int) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +12,8 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from memfit.checkpointing.compile import eager
+from memfit.devices import address_space_limited, model_device
+from memfit.measuring.spill import spillable, spilled
 
 __all__ = ["create_optimizer_state", "preserved"]
 
@@ -30,11 +33,59 @@ def _optimizer_snapshot(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return snapshot
 
 
+def _model_snapshot(model: nn.Module) -> OrderedDict[str, Any]:
+    """The model's state dict with every tensor copied, its ``_metadata`` kept (the versions
+    a module's ``_load_from_state_dict`` reads: torchvision's MNASNet refuses a state without
+    them)."""
+    state = model.state_dict()
+    copied: OrderedDict[str, Any] = OrderedDict((k, _snapshot(v)) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        copied._metadata = metadata  # type: ignore[attr-defined]
+    return copied
+
+
+@contextlib.contextmanager
+def _kept(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[None]:
+    """Weights, buffers, gradients and optimizer state as they are now, put back afterwards:
+    copied in memory, or (under an address-space limit on a CPU) written to a file.
+
+    See Note [address space under RLIMIT_AS].
+    """
+    if address_space_limited(model_device(model)) and spillable(model, optimizer):
+        with spilled(model, optimizer):
+            yield
+        return
+    state = _model_snapshot(model)
+    grads = [(p, None if p.grad is None else _snapshot(p.grad)) for p in model.parameters()]
+    opt_state = _optimizer_snapshot(optimizer) if optimizer is not None else None
+    try:
+        yield
+    finally:
+        _restore(model, optimizer, state, grads, opt_state)
+
+
+def _restore(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    state: OrderedDict[str, Any],
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]],
+    opt_state: dict[str, Any] | None,
+) -> None:
+    model.load_state_dict(state)
+    for p, g in grads:
+        p.grad = g
+    if optimizer is not None and opt_state is not None:
+        optimizer.load_state_dict(opt_state)
+
+
 @contextlib.contextmanager
 def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
     """Run the body, then put model, optimizer, gradients and RNG back as they were.
 
-    The copies of a GPU's weights, gradients and optimizer state are kept in host memory.
+    The copies of a GPU's weights, gradients and optimizer state are kept in host memory;
+    on a CPU whose address space is limited (``RLIMIT_AS``), in a temporary file
+    (See Note [address space under RLIMIT_AS]).
 
     The body runs a compiled model eagerly (:func:`memfit.checkpointing.compile.eager`): measurements
     are of the eager step, and leave the compiled model free to compile its new plan.
@@ -47,21 +98,13 @@ def preserved(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
         >>> bool(torch.equal(m.weight, before))
         True
     """
-    state = {k: _snapshot(v) for k, v in model.state_dict().items()}
-    grads = [(p, None if p.grad is None else _snapshot(p.grad)) for p in model.parameters()]
-    opt_state = _optimizer_snapshot(optimizer) if optimizer is not None else None
     rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
     training = model.training
     try:
-        with eager():
+        with _kept(model, optimizer), eager():
             yield
     finally:
-        model.load_state_dict(state)
-        for p, g in grads:
-            p.grad = g
-        if optimizer is not None and opt_state is not None:
-            optimizer.load_state_dict(opt_state)
         torch.set_rng_state(rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)

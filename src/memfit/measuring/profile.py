@@ -57,7 +57,7 @@ from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
-from memfit.measuring.block_timing import BlockInputs, block_extras, capture_block_inputs, fit_prices
+from memfit.measuring.block_timing import BlockInputs, block_times, capture_block_inputs, micro_batch_inputs
 from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
@@ -70,13 +70,14 @@ from memfit.measuring.phases import (
     profile_from_memory,
 )
 from memfit.measuring.preserve import create_optimizer_state, preserved
+from memfit.measuring.prices import MICRO, TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
-from memfit.measuring.speed import measure_speed
+from memfit.measuring.speed import device_speed
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
 from memfit.step import Batch, LossFn, batch_size, training_step
-from memfit.stepmodel import fill_times, forward_work, simulate, time_note
+from memfit.stepmodel import simulate, time_note
 from memfit.vocab import CHECKPOINT_MODES, CheckpointMode, PrecisionChoice
 
 #: Times the heaviest block runs alone in each mode (after one untimed warm-up run).
@@ -114,8 +115,9 @@ class Profiler:
         self.links: list[bool] = []
         self.flops: dict[str, BlockFlops] = {}
         self.times: list[tuple[float, float, float]] = []
-        self.extras: dict[str, list[float]] = {}
-        """Per checkpointing mode, ``timed_block``'s seconds over none's, one per round."""
+        self.block_times: dict[str, list[float]] = {}
+        """Per checkpointing mode (and count of micro-batches: :func:`~memfit.measuring.prices.
+        micro_label`), ``timed_block``'s seconds alone, one per round, taken side by side."""
         self.timed_block = ""
         self.speed: Speed | None = None
         self.measured: list[str] = []
@@ -357,10 +359,13 @@ class Profiler:
 
     # Note [timing a step that does not fit]
     # The time model needs a whole step's forward and backward seconds. Where the plain step
-    # does not fit, it is timed split into micro-batches (the same work: the step model holds
-    # a step's time independent of its micro-batches) or, failing that, with every block fully
-    # checkpointed, whose backward less the blocks' recompute (fitted to the heaviest block
-    # run alone, see block_timing) is the plain backward.
+    # does not fit, it is timed split into micro-batches (the same work, plus what each
+    # micro-batch repeats, which the step model prices and takes off again:
+    # See Note [what a micro-batch costs] in memfit/stepmodel/time.py) or, failing that,
+    # with every block fully checkpointed, whose backward less the blocks' recompute (fitted
+    # to the heaviest block run alone, see memfit/measuring/prices.py) is the plain
+    # backward. The prices and the plain step's scales depend on each other, so the fit is
+    # made twice.
 
     def _timed(self, mode: CheckpointMode, micro_batches: int = 1) -> tuple[float, float, float]:
         """(forward, backward, whole) seconds of one step with every block in ``mode``."""
@@ -421,7 +426,7 @@ class Profiler:
         started = time.perf_counter()
         self.times += self._timed_steps(repeats)[0]
         with self._phase("micro-benchmarks of the device"):
-            self.speed = measure_speed(model_device(self.model), self.precision)
+            self.speed = device_speed(model_device(self.model), self.precision)
         self.measured.append(
             f"{repeats} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
@@ -441,19 +446,22 @@ class Profiler:
         self.times += times  # See Note [timing a block alone within a few steps]
         within = timing.BLOCK_STEPS * statistics.median(t[2] for t in self.times)
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
-        extras, why = (
-            ({}, "")
-            if len(modes) == 1
-            else block_extras(self.model, heaviest, seen, modes, rounds, self.precision.autocast, within)
-        )
+        rows = -(-batch_size(self.batch) // self.timing[1])  # the rows of the micro-batch timed
+        fewer = micro_batch_inputs(seen, rows)
+        found: dict[str, list[float]] = {}
+        why = ""
+        if len(modes) > 1 or fewer:
+            found, why = block_times(
+                self.model, heaviest, seen, modes, rounds, self.precision.autocast, within, fewer
+            )
         what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
-        elif extras:
-            # the block ran on one micro-batch's inputs: its extras scale to the whole batch
-            k = self.timing[1]
-            self.timed_block, self.extras = heaviest, {m: [t * k for t in ts] for m, ts in extras.items()}
-            what += f" and {heaviest} alone {len(extras[modes[-1]])} times in each of {', '.join(modes)}"
+        elif found:
+            self.timed_block, self.block_times = heaviest, found
+            split = [m[len(MICRO) :] for m in found if m.startswith(MICRO)]
+            ran = ", ".join(modes) + (f" and in {' and '.join(split)} micro-batches" if split else "")
+            what += f" and {heaviest} alone {len(found['none'])} times in each of {ran}"
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def _memory_profile(self) -> Profile:
@@ -488,24 +496,11 @@ class Profiler:
         return prof
 
     def _fit_time_model(self, prof: Profile) -> None:
-        """Scale the counted work to the timed steps (see Note [timing a step that does not fit])."""
+        """Scale the counted work to the timed steps and fit the prices to the block timed alone
+        (see Note [timing a step that does not fit])."""
         assert self.speed is not None
-        fwd, bwd = (statistics.median(t[k] for t in self.times) for k in range(2))
-        sp = Speed(**{**self.speed.to_dict(), "timed_steps": len(self.times)})
-        prof.speed = sp
-        work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0
-        sp.forward_scale = fwd / work
-        if self.extras:
-            fit_prices(prof, self.timed_block, self.extras)
-        if self.timing[0] == "full":
-            recompute = sum(
-                sp.forward_scale * sp.recompute_scale * forward_work(prof, b) + sp.checkpoint_seconds
-                for b in prof.blocks
-            )
-            bwd, prof.step_seconds = max(0.0, bwd - recompute), max(0.0, prof.step_seconds - recompute)
-        sp.backward_scale = bwd / work
-        sp.timed_as = timing.describe_timing(*self.timing).strip()
-        fill_times(prof)
+        steps = TimedSteps(self.times, *self.timing, timing.describe_timing(*self.timing).strip())
+        fit_time_model(prof, self.speed, steps, self.timed_block, self.block_times)
 
     def notes(self) -> list[str]:
         name = type(self.model).__name__

@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -30,7 +31,7 @@ from memfit.checkpointing import set_block_modes
 from memfit.precision import Precision
 from memfit.records import Speed
 
-__all__ = ["measure_speed"]
+__all__ = ["device_speed", "measure_speed"]
 
 #: Tiny ops in the selective-checkpointing micro-benchmark.
 _OPS = 24
@@ -117,3 +118,29 @@ def measure_speed(device: torch.device, precision: Precision, repeats: int = 3) 
         checkpoint_seconds=checkpoint_seconds,
         selective_op_seconds=selective_op_seconds,
     )
+
+
+# Note [the device's prices once per process]
+# The micro-benchmarks price the device (a FLOP, a byte, an op, a checkpoint call), not the
+# model: each profile scales them to its own timed steps (Speed.forward_scale), so only
+# their ratios matter. They are measured once per process, device and precision, so the
+# calls of one process price work alike (a second plan of the same model does not pay for
+# them again, nor get other ratios from another moment's load).
+
+
+@functools.cache
+def _device_speed(device: str, mode: str) -> Speed:
+    return measure_speed(torch.device(device), Precision(mode, device=device))  # type: ignore[arg-type]
+
+
+def device_speed(device: torch.device, precision: Precision) -> Speed:
+    """:func:`measure_speed`'s prices for this device and precision, measured once per process
+    (a copy each call; See Note [the device's prices once per process]).
+
+    Example:
+        >>> a = device_speed(torch.device("cpu"), Precision("fp32"))
+        >>> b = device_speed(torch.device("cpu"), Precision("fp32"))
+        >>> a == b and a is not b
+        True
+    """
+    return Speed(**_device_speed(str(device), precision.mode).to_dict())

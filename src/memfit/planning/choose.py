@@ -1,7 +1,8 @@
 """Choose a plan from profiles: the fastest per precision and micro-batch count, ties to counted work.
 
 A pure function over records (:func:`plan_from_profiles`): for one micro-batch, then two,
-four... (the batch is split only when nothing fits whole), the solver
+four... (while a plan in that many could still be the fastest;
+See Note [micro-batches where they are faster]), the solver
 (:mod:`memfit.planning.solver`) finds each precision's fastest plan; the fastest of those
 wins, and plans within :data:`TIE` of the fastest step, or within the measured spread of
 the timings (``Speed.spread``) of their checkpointing extras, count as equally fast (the
@@ -36,13 +37,20 @@ import torch
 from memfit.budget import format_bytes
 from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
-from memfit.planning.solver import Solution, as_fast, counted_work, minimum_peak, solve
+from memfit.planning.solver import Solution, counted_work, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
 from memfit.records import Plan, PlanReport, Profile
-from memfit.stepmodel import block_options, predict_options_seconds, simulate_options, tiling
+from memfit.stepmodel import Option, block_options, predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS, PrecisionName, normalize_modes, normalize_precision
 
-__all__ = ["NOISE_CAP", "TIE", "candidate_precisions", "fixed_bytes_message", "plan_from_profiles"]
+__all__ = [
+    "NOISE_CAP",
+    "TIE",
+    "candidate_precisions",
+    "considered",
+    "fixed_bytes_message",
+    "plan_from_profiles",
+]
 
 #: Plans whose predicted step time is within this fraction of the fastest count as ties.
 TIE = 0.02
@@ -121,12 +129,20 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # rounds of the block timed alone give the spread of the extras the prices were fitted to
 # (Speed.spread, half their range over their median; 1 where a fit was clamped), and two
 # plans tie where their times differ by less than TIE of a step plus that spread of both
-# plans' checkpointing extras (solver.as_fast: a price off by that fraction moves each
-# extra by as much). Among ties the key is exact: the least counted work
+# plans' extras over the whole batch at its cheapest (solver.as_fast: a price off by that
+# fraction moves each extra by as much). What micro-batches cost is timed as the block in
+# them over the block whole, round by round, so a plan in micro-batches is uncertain by
+# those rounds' spread (Speed.micro_spread) of its whole time, not only of what splitting
+# adds, or by the spread of the checkpointing rounds where that is larger (both sets of
+# rounds ran moments apart on one block: either scattering says the machine is loaded, and a
+# few rounds can agree by chance): on a loaded machine micro-batches are chosen only where
+# clearly faster. Among ties the
+# key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
-# counts), then the lowest peak, then the precision listed first (and, in the solver, a
-# fixed order of blocks and modes). Counted work orders plans only one count after the
+# counts; micro-batches count every forward op they dispatch again with selective's ops),
+# then the lowest peak, then the precision listed first (and, in the solver, a fixed order
+# of blocks and modes). Counted work orders plans only one count after the
 # other and prices no checkpoint call, so the spread is taken at most NOISE_CAP: extras
 # three times apart stay told apart by time. On a quiet machine the spread is small and
 # time decides as before; on a loaded one the band widens and counted work decides, and
@@ -146,28 +162,43 @@ class _Found(NamedTuple):
 
     seconds: float
     """Predicted step seconds."""
-    extra: float
-    """Of which checkpointing's extra: over every block at its cheapest mode."""
+    uncertain: float
+    """How far timing noise can move them: checkpointing's extra over every block at its
+    cheapest times its prices' spread and, in micro-batches, the whole time times the larger of
+    theirs and that, each spread at most :data:`NOISE_CAP` (See Note [plans repeat])."""
     work: tuple[int, int]
-    """What its options add, counted (:func:`~memfit.planning.solver.counted_work`)."""
+    """What its options add, counted (:func:`~memfit.planning.solver.counted_work`), and the
+    forward ops its micro-batches after the first dispatch again (with selective's ops)."""
     peak: int
     rank: int
     """The precision's place in the order given."""
     precision: str
     sol: Solution
-    noise: float
-    """The profile's timing spread (See Note [plans repeat])."""
+    micro: int = 1
+    """Micro-batches."""
+
+
+def _cheapest(prof: Profile) -> list[Option]:
+    """Every block at its cheapest mode, budget aside."""
+    return tiling(prof, [(block_options(b) or ["none"])[0] for b in prof.blocks])
 
 
 def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, peak: int = -1) -> _Found:
     seconds = predict_options_seconds(prof, sol.options, micro)
-    cheapest = tiling(prof, [(block_options(b) or ["none"])[0] for b in prof.blocks])
-    extra = max(0.0, seconds - predict_options_seconds(prof, cheapest, micro))
+    whole = predict_options_seconds(prof, sol.options, 1)
+    checkpointing = max(0.0, whole - predict_options_seconds(prof, _cheapest(prof), 1))
+    sp = prof.speed
+    uncertain = 0.0
+    if sp is not None:
+        split = seconds if micro > 1 else 0.0  # See Note [plans repeat]
+        machine = max(sp.spread, sp.micro_spread)  # the rounds of one moment: the machine's noise
+        uncertain = min(NOISE_CAP, sp.spread) * checkpointing + min(NOISE_CAP, machine) * split
     counted = [counted_work(prof, o) for o in sol.options]
-    work = (sum(c[0] for c in counted), sum(c[1] for c in counted))
+    # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])
+    repeated = (micro - 1) * (sum(b.forward_ops for b in prof.blocks) + prof.outside.forward_ops)
+    work = (sum(c[0] for c in counted) + repeated, sum(c[1] for c in counted))
     peak = sol.peak_bytes if peak < 0 else peak
-    noise = _noise(prof)
-    return _Found(seconds, extra, work, peak, rank, precision, sol, noise)
+    return _Found(seconds, uncertain, work, peak, rank, precision, sol, micro)
 
 
 def _noise(prof: Profile) -> float:
@@ -175,15 +206,16 @@ def _noise(prof: Profile) -> float:
 
 
 def _ties(fastest: _Found, other: _Found, tie: float) -> bool:
-    noise = max(fastest.noise, other.noise)
-    return as_fast((fastest.seconds, fastest.extra), (other.seconds, other.extra), tie, noise)
+    """Whether ``other`` is as fast as ``fastest``: slower by at most ``tie`` plus what the
+    noise can move both (the rule of :func:`~memfit.planning.solver.as_fast`)."""
+    return other.seconds - fastest.seconds <= tie + fastest.uncertain + other.uncertain
 
 
 def _near(custom: _Found, standard: _Found, prefer: float) -> bool:
     """Whether ``standard`` is the plan rather than ``custom``: at most ``prefer`` slower, the
     timing noise counted in its favour where its counted work is no more, against it where
     it is more (See Note [plans repeat])."""
-    noise = max(custom.noise, standard.noise) * (custom.extra + standard.extra)
+    noise = custom.uncertain + standard.uncertain
     slower = standard.seconds - custom.seconds
     return slower <= prefer + (noise if standard.work <= custom.work else -noise)
 
@@ -192,14 +224,142 @@ def _pick(custom: list[_Found], standard: list[_Found], tie: float, prefer: floa
     """The plan to return: a standard configuration unless the solver's is ``prefer`` faster.
 
     Within the pool chosen, plans that tie its fastest are equally fast, and the fewest
-    counted work wins, then the lowest peak, then the precision listed first
-    (See Note [plans repeat]).
+    micro-batches win, then the fewest counted work, then the lowest peak, then the
+    precision listed first (See Note [plans repeat]).
     """
     fastest = min(custom, key=lambda f: f.seconds, default=None)
     near = [f for f in standard if fastest is None or _near(fastest, f, prefer)]
     pool = near or custom
     best = min(pool, key=lambda f: f.seconds)
-    return min((f for f in pool if _ties(best, f, tie)), key=lambda f: (f.work, f.peak, f.rank))
+    return min((f for f in pool if _ties(best, f, tie)), key=lambda f: (f.micro, f.work, f.peak, f.rank))
+
+
+def _candidates(
+    profiles: Mapping[str, Profile], budget: int, micro: int, tie: float, segments: bool, baseline: int
+) -> tuple[list[_Found], list[_Found]]:
+    """Each precision's fastest plan at ``micro`` micro-batches (the solver's), and PyTorch's
+    own configurations, that fit ``budget``."""
+    found: list[_Found] = []
+    standard: list[_Found] = []
+    for rank, (precision, prof) in enumerate(profiles.items()):
+        sol = solve(prof, budget, micro, tie_seconds=tie, segments=segments, noise=_noise(prof))
+        if sol is not None:
+            found.append(_found(prof, precision, rank, sol, micro))
+        for _, std in standard_solutions(prof, budget, micro, segments=segments):
+            standard.append(_found(prof, precision, rank, std, micro))
+        if micro == 1 and precision == "fp32" and 0 < baseline <= budget:
+            # Note [the measured baseline]
+            # Keeping every block was measured (the baseline); where it fits, it is a plan,
+            # even where the step model, adding up per-block numbers, predicts a little more.
+            found.append(_found(prof, precision, rank, _keep_all(prof, baseline), 1, baseline))
+            standard.append(found[-1])
+    return found, standard
+
+
+def _cannot_win(profiles: Mapping[str, Profile], micro: int, best: _Found, tie: float) -> bool:
+    """Whether no plan at ``micro`` micro-batches can tie ``best``: even every block at its
+    cheapest mode, budget aside, is slower by more than the noise (and what micro-batches add
+    only grows with their number: See Note [what a micro-batch costs])."""
+    for rank, (precision, prof) in enumerate(profiles.items()):
+        options = _cheapest(prof)
+        least = Solution([], 0, 0.0, options=options)
+        if _ties(best, _found(prof, precision, rank, least, micro), tie):
+            return False
+    return True
+
+
+# Note [micro-batches where they are faster]
+# Splitting the batch costs what each micro-batch repeats
+# (See Note [what a micro-batch costs] in memfit/stepmodel/time.py) and saves
+# activations, so a plan in micro-batches can be faster than any whole-batch plan that
+# fits (checkpointing every block recomputes more than four micro-batches repeat). Every
+# micro-batch count is therefore a candidate, not only where nothing fits whole: from one
+# up, until even the cheapest plan at that count (every block at its cheapest, budget
+# aside) cannot tie the fastest found, since what micro-batches add grows with their
+# number. Each count's plan is picked among that count's candidates (the solver's and
+# PyTorch's own configurations, as for the batch whole), and replaces the plan of fewer
+# micro-batches only where it is faster beyond what the noise can move both: a plan in
+# micro-batches, uncertain by its rounds' spread of its whole time, neither wins a tie nor
+# makes PyTorch's configurations look as fast as a whole-batch plan clearly faster than
+# them. So among plans that tie, the fewest micro-batches win (the step is the user's step;
+# BatchNorm sees the whole batch), and the forward ops they dispatch again count as work.
+# A profile without a time model (Profile.speed None: an estimate, a profile built by
+# hand) cannot price a micro-batch, so there the batch is split only where nothing fits
+# it whole.
+
+
+def _plan(chosen: _Found, profiles: Mapping[str, Profile], budget: int, baseline: tuple[int, float]) -> Plan:
+    prof, sol = profiles[chosen.precision], chosen.sol
+    names = [b.name for b in prof.blocks]
+    return Plan(
+        blocks=normalize_modes(dict(zip(names, sol.modes, strict=True))),
+        segments=[names[a : b + 1] for a, b in sol.segments],
+        precision=normalize_precision(chosen.precision),
+        micro_batches=chosen.micro,
+        report=PlanReport(
+            predicted_peak_bytes=sol.peak_bytes,
+            predicted_step_seconds=chosen.seconds,
+            baseline_peak_bytes=baseline[0],
+            baseline_step_seconds=baseline[1],
+            budget_bytes=budget,
+        ),
+    )
+
+
+def _search(
+    profiles: Mapping[str, Profile], budget: int, baseline: int, segments: bool, split: bool
+) -> tuple[list[_Found], _Found | None]:
+    """Every candidate considered, and the one chosen (None: nothing fits).
+
+    See Note [micro-batches where they are faster].
+    """
+    batch = max(p.batch_size for p in profiles.values()) if split else 1
+    tie = TIE * _step_seconds(profiles)
+    prefer = PREFER_STANDARD * _step_seconds(profiles)
+    found: list[_Found] = []
+    standard: list[_Found] = []
+    best: _Found | None = None
+    priced = all(p.speed is not None for p in profiles.values())
+    for micro in _divisors(batch):
+        if best is not None and (not priced or _cannot_win(profiles, micro, best, tie)):
+            break
+        more, more_standard = _candidates(profiles, budget, micro, tie, segments, baseline)
+        found, standard = found + more, standard + more_standard
+        if more or more_standard:
+            here = _pick(more, more_standard, tie, prefer)
+            if best is None or (here.seconds < best.seconds and not _ties(here, best, tie)):
+                best = here
+    return found + standard, best
+
+
+def considered(
+    profiles: Mapping[str, Profile],
+    budget_bytes: int,
+    baseline_peak_bytes: int = 0,
+    baseline_step_seconds: float = 0.0,
+    *,
+    segments: bool = True,
+) -> list[Plan]:
+    """Every plan :func:`plan_from_profiles` weighs for this budget (each precision's and micro-batch
+    count's fastest of the solver's, and PyTorch's own configurations that fit), each once, fastest
+    predicted first: what a benchmark times to check the choice (``benchmarks/bench_time_model.py``).
+
+    Example:
+        >>> from memfit.records import BlockStats, Profile
+        >>> blk = [BlockStats(f"b{i}", saved_bytes={"none": 100, "full": 10},
+        ...        backward_peak_bytes={"none": 50, "full": 150},
+        ...        backward_seconds={"none": 1.0, "full": 2.0}) for i in range(2)]
+        >>> prof = Profile("fp32", "cpu", 1, blk, BlockStats("outside"), 0, 0, 0, 0)
+        >>> [p.blocks for p in considered({"fp32": prof}, 200)]
+        [{'b0': 'full', 'b1': 'none'}, {'b0': 'full', 'b1': 'full'}]
+    """
+    seen: dict[str, Plan] = {}
+    found, _ = _search(profiles, budget_bytes, baseline_peak_bytes, segments, True)
+    baseline = (baseline_peak_bytes, baseline_step_seconds)
+    for f in sorted(found, key=lambda f: (f.seconds, f.micro, f.rank)):
+        plan = _plan(f, profiles, budget_bytes, baseline)
+        seen.setdefault(repr((plan.blocks, plan.segments, plan.precision, plan.micro_batches)), plan)
+    return list(seen.values())
 
 
 def plan_from_profiles(
@@ -209,6 +369,7 @@ def plan_from_profiles(
     baseline_step_seconds: float = 0.0,
     *,
     segments: bool = True,
+    split: bool = True,
 ) -> Plan:
     """The least-time plan over precisions and micro-batch counts (a pure function).
 
@@ -218,6 +379,8 @@ def plan_from_profiles(
         baseline_peak_bytes: the fp32, no-checkpointing peak (recorded in the Plan).
         baseline_step_seconds: its step time (for the predicted time ratio).
         segments: also consider segments of blocks checkpointed as one.
+        split: also consider micro-batches (False: the batch computed at once, as the
+            largest-batch search asks).
 
     Returns:
         The :class:`Plan` with its predicted peak and step time.
@@ -227,48 +390,15 @@ def plan_from_profiles(
     """
     if not profiles:
         raise ConfigError("no profiles to plan from; profile the model at one precision at least.")
-    batch = max(p.batch_size for p in profiles.values())
-    tie = TIE * _step_seconds(profiles)
-    prefer = PREFER_STANDARD * _step_seconds(profiles)
-    order = {p: i for i, p in enumerate(profiles)}
-    for micro in _divisors(batch):
-        found: list[_Found] = []
-        standard: list[_Found] = []
-        for precision, prof in profiles.items():
-            sol = solve(prof, budget_bytes, micro, tie_seconds=tie, segments=segments, noise=_noise(prof))
-            if sol is not None:
-                found.append(_found(prof, precision, order[precision], sol, micro))
-            for _, std in standard_solutions(prof, budget_bytes, micro, segments=segments):
-                standard.append(_found(prof, precision, order[precision], std, micro))
-            if micro == 1 and precision == "fp32" and 0 < baseline_peak_bytes <= budget_bytes:
-                # Note [the measured baseline]
-                # Keeping every block was measured (the baseline); where it fits, it is a plan,
-                # even where the step model, adding up per-block numbers, predicts a little more.
-                keep = _keep_all(prof, baseline_peak_bytes)
-                found.append(_found(prof, precision, order[precision], keep, 1, baseline_peak_bytes))
-                standard.append(found[-1])
-        if found or standard:
-            chosen = _pick(found, standard, tie, prefer)
-            precision, sol = chosen.precision, chosen.sol
-            prof = profiles[precision]
-            names = [b.name for b in prof.blocks]
-            return Plan(
-                blocks=normalize_modes(dict(zip(names, sol.modes, strict=True))),
-                segments=[names[a : b + 1] for a, b in sol.segments],
-                precision=normalize_precision(precision),
-                micro_batches=micro,
-                report=PlanReport(
-                    predicted_peak_bytes=sol.peak_bytes,
-                    predicted_step_seconds=predict_options_seconds(prof, sol.options, micro),
-                    baseline_peak_bytes=baseline_peak_bytes,
-                    baseline_step_seconds=baseline_step_seconds,
-                    budget_bytes=budget_bytes,
-                ),
-            )
+    baseline = (baseline_peak_bytes, baseline_step_seconds)
+    _, best = _search(profiles, budget_bytes, baseline_peak_bytes, segments, split)
+    if best is not None:
+        return _plan(best, profiles, budget_bytes, baseline)
+    batch = max(p.batch_size for p in profiles.values()) if split else 1
     # The smallest peak of every plan considered (each precision and micro-batch count) and of
     # keeping every block: never above any of them.
     # See Note [the measured baseline]
-    p, micro, best = min(
+    p, micro, least = min(
         (
             (p, micro, minimum_peak(prof, micro, segments=segments))
             for p, prof in profiles.items()
@@ -276,9 +406,9 @@ def plan_from_profiles(
         ),
         key=lambda t: (t[2].peak_bytes, t[1]),
     )
-    minimum = min(best.peak_bytes, baseline_peak_bytes) if baseline_peak_bytes > 0 else best.peak_bytes
+    minimum = min(least.peak_bytes, baseline_peak_bytes) if baseline_peak_bytes > 0 else least.peak_bytes
     raise InfeasibleBudget(
-        _explain(p, micro, best, profiles, budget_bytes), minimum_bytes=minimum, budget_bytes=budget_bytes
+        _explain(p, micro, least, profiles, budget_bytes), minimum_bytes=minimum, budget_bytes=budget_bytes
     )
 
 

@@ -91,8 +91,10 @@ def plan_with_levers(
     budget_bytes: int,
     baseline: tuple[int, float],
     allowed: Sequence[str],
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
-    """The plan of the least risky lever set that fits, and the profiles it was planned from.
+    """The plan of the least risky lever set that fits, and the profiles it was planned from
+    (``split``: micro-batches allowed, as :func:`~memfit.planning.choose.plan_from_profiles`).
 
     Raises:
         InfeasibleBudget: no lever set fits (the message names the smallest peak found).
@@ -100,8 +102,8 @@ def plan_with_levers(
     smallest: InfeasibleBudget | None = None
     for levers in lever_sets(allowed) if allowed else [[]]:
         try:
-            found = plan_lever_set(profiles, levers, budget_bytes, baseline)
-            return _faster_offloaded(found, profiles, levers, budget_bytes, baseline, allowed)
+            found = plan_lever_set(profiles, levers, budget_bytes, baseline, split=split)
+            return _faster_offloaded(found, profiles, levers, budget_bytes, baseline, allowed, split)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
@@ -123,14 +125,16 @@ def _faster_offloaded(
     budget_bytes: int,
     baseline: tuple[int, float],
     allowed: Sequence[str],
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
     """``found``, or the same lever set with offload where that is faster by more than a tie
-    (See Note [offload against recompute] in :mod:`memfit.planning.offloaded`)."""
+    (See Note [offload against recompute] in :mod:`memfit.planning.offloaded`); ``split``:
+    micro-batches allowed."""
     with_offload = [n for n in normalize_levers([*levers, OFFLOAD.name])]
     if OFFLOAD.name not in allowed or OFFLOAD.name in levers or with_offload not in lever_sets(allowed):
         return found
     try:
-        other = plan_lever_set(profiles, with_offload, budget_bytes, baseline)
+        other = plan_lever_set(profiles, with_offload, budget_bytes, baseline, split=split)
     except InfeasibleBudget:
         return found
     seconds = found[0].report.predicted_step_seconds
@@ -153,6 +157,7 @@ def plan_lever_set(
     budget_bytes: int,
     baseline: tuple[int, float],
     segments: bool = True,
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
     """The fastest plan with ``levers`` that fits, at the first of their settings that fits (the
     loss head's largest chunk: See Note [the largest chunk that fits]), and the profiles it was
@@ -170,9 +175,9 @@ def plan_lever_set(
             break
         try:
             if OFFLOAD.name in levers:
-                result = plan_offloaded(profs, budget_bytes, baseline)
+                result = plan_offloaded(profs, budget_bytes, baseline, split=split)
             else:
-                result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments)
+                result = plan_from_profiles(profs, budget_bytes, *baseline, segments=segments, split=split)
         except InfeasibleBudget as exc:
             if smallest is None or exc.minimum_bytes < smallest.minimum_bytes:
                 smallest = exc
@@ -221,6 +226,7 @@ def replan_without(
     baseline: tuple[int, float],
     allowed: Sequence[str],
     failed: Mapping[str, str],
+    split: bool = True,
 ) -> tuple[Plan, dict[str, Profile]]:
     """:func:`plan_with_levers` once verification refused ``failed`` (``{lever: why}``).
 
@@ -228,7 +234,7 @@ def replan_without(
         LeverRefused: no plan fits without the refused levers (the message says why each failed).
     """
     try:
-        return plan_with_levers(profiles, budget_bytes, baseline, allowed)
+        return plan_with_levers(profiles, budget_bytes, baseline, allowed, split)
     except InfeasibleBudget:
         name, why = next(iter(failed.items()))
         raise LeverRefused(

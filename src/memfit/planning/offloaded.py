@@ -122,9 +122,12 @@ def _modes(prof: Profile) -> list[str]:
     return [m for m in common if all(m in block_options(b) for b in prof.blocks)]
 
 
-def plan_offloaded(profiles: Mapping[str, Profile], budget_bytes: int, baseline: tuple[int, float]) -> Plan:
+def plan_offloaded(
+    profiles: Mapping[str, Profile], budget_bytes: int, baseline: tuple[int, float], split: bool = True
+) -> Plan:
     """The fastest plan that fits ``budget_bytes`` with leading blocks offloaded (See Note
-    [offload against recompute]); ``profiles`` are under the rest of the lever set already.
+    [offload against recompute]); ``profiles`` are under the rest of the lever set already
+    (``split``: micro-batches allowed, else the batch whole).
 
     Raises:
         InfeasibleBudget: no mode, micro-batch count or run of blocks offloaded fits (the
@@ -135,7 +138,7 @@ def plan_offloaded(profiles: Mapping[str, Profile], budget_bytes: int, baseline:
         c
         for prof in profiles.values()
         if prof.blocks
-        for micro in _divisors(prof.batch_size)
+        for micro in (_divisors(prof.batch_size) if split else [1])
         for mode in _modes(prof)
         if (c := _fewest(prof, mode, micro, budget_bytes, host_link(prof))) is not None
     ]

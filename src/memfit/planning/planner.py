@@ -74,14 +74,16 @@ def _choose(request: Request, measured: Measured) -> tuple[Chosen, dict[str, str
     for prof in profs.values() if allowed else []:
         attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step, allowed)
     allowed, refused = usable_levers(profs, allowed)
-    result, used = plan_with_levers(profs, measured.budget_bytes, measured.baseline, allowed)
+    result, used = plan_with_levers(profs, measured.budget_bytes, measured.baseline, allowed, request.split)
     lines: list[str] = []
     if request.verify and result.levers:
         r = request
         failed = failing_levers(r.model, r.batch, r.loss_fn, r.optimizer, result, lines)
         allowed = [n for n in allowed if n not in failed]
         refused.update(failed)
-        result, used = replan_without(profs, measured.budget_bytes, measured.baseline, allowed, failed)
+        result, used = replan_without(
+            profs, measured.budget_bytes, measured.baseline, allowed, failed, request.split
+        )
     return Chosen(result, used, tuple(allowed), profs), refused, lines
 
 
@@ -114,6 +116,7 @@ def _made(
         measured_peak_bytes=checked.measured_peak_bytes,
         notes=(
             plan_notes(request.model, chosen, profs)
+            + list(checked.misses)
             + _room_notes(request.room, profs)
             + [f"lever {n} not used: {w}" for n, w in refused.items()]
         ),
@@ -135,7 +138,7 @@ def _plan_batch(request: Request, profiles: Mapping[str, Profile] | None = None)
         with preserved(model, request.optimizer), progress.phase(request.phase):
             measured = measure(request, profiles)
             chosen, refused, lines = _choose(request, measured)
-            checked = check(request, chosen, measured) if request.check else Checked(chosen.plan, 0, ())
+            checked = check(request, chosen, measured) if request.check else Checked(chosen.plan, 0, (), ())
         checked = replace(checked, lines=(*lines, *checked.lines))
         return _made(request, measured, checked, {**request.refused, **refused}, started)
     finally:
@@ -254,7 +257,7 @@ def _largest(
 
     def plan_at(sized: Batch, budget_bytes: int) -> Plan:
         at = Budget(bytes=budget_bytes, text=str(budget_bytes))
-        return _plan_batch(replace(request, batch=sized, budget=at))
+        return _plan_batch(replace(request, batch=sized, budget=at, split=False))
 
     with progress.phase(f"finding the largest batch that fits {request.shown}"):
         return largest_batch(request, plan_at)

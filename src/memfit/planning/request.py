@@ -71,6 +71,8 @@ class Request:
     """Measure the chosen plan (and plan again under a tighter budget if it is over)."""
     verify: bool = False
     """Check the chosen levers on the model (:mod:`memfit.planning.verify`)."""
+    split: bool = True
+    """Micro-batches allowed (False: the largest-batch search's batch, planned whole)."""
 
     def budget_bytes(self, baseline_peak: int) -> int:
         """The budget in bytes: a percentage of ``baseline_peak``, ``"device"`` what is held plus

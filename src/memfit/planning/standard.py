@@ -2,7 +2,7 @@
 
 Besides keeping everything (``none``), four configurations are what a PyTorch user
 reaches for: ``full`` (every block through ``torch.utils.checkpoint``, HF's
-``gradient_checkpointing_enable()``), ``every2`` (blocks 0, 2, 4, ...), ``sequential``
+``activation_checkpointing_enable()``), ``every2`` (blocks 0, 2, 4, ...), ``sequential``
 (``checkpoint_sequential`` with ``round(sqrt(n))`` segments: all but the last
 checkpointed as one) and ``selective`` (every block under PyTorch's selective activation
 checkpointing). :func:`standard_solutions` gives those that fit a budget, priced and
@@ -64,7 +64,7 @@ PREFER_STANDARD = 0.03
 #: How each standard configuration is written, for notes and messages.
 STANDARD_NAMES = {
     "none": "no checkpointing",
-    "full": "torch.utils.checkpoint on every block, as HF's gradient_checkpointing_enable() does",
+    "full": "torch.utils.checkpoint on every block, as HF's activation_checkpointing_enable() does",
     "every2": "torch.utils.checkpoint on every 2nd block: 0, 2, 4, ...",
     "sequential": "checkpoint_sequential with round(sqrt(n)) segments",
     "selective": "selective activation checkpointing on every block",

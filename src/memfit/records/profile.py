@@ -136,10 +136,23 @@ class Speed(Record):
     """How the whole steps were timed where the plain step did not fit ("" : plain), e.g.
     ``"without checkpointing in 4 micro-batches (the plain step does not fit)"``."""
     spread: float = 0.0
-    """How far the times the prices were fitted to disagree: for each mode, ``timed_block``'s
-    extras over ``none`` across its rounds, half their range over their median, the largest
-    (1: they tell nothing, e.g. a fit was clamped; 0: not measured). The chooser counts
-    predictions that differ by less than this as ties (See Note [plans repeat])."""
+    """How far the times the prices were fitted to disagree: for each price, the rounds of
+    ``timed_block`` it was fitted to (each over ``none`` in the same round), outliers left
+    out, half their range over their median, the largest (1: they tell nothing, e.g. a fit
+    was clamped; 0: not measured). The chooser counts predictions that differ by less than
+    this as ties (See Note [plans repeat])."""
+    micro_spread: float = 0.0
+    """How far the rounds ``micro_batch_ratios`` were fitted to disagree (half their range
+    over their median, the largest): a plan in micro-batches is that uncertain as a whole
+    (what its block costs split is timed against what it costs whole, so the noise of both
+    is in it)."""
+    micro_batches: list[int] = field(default_factory=list)
+    """Micro-batch counts ``timed_block`` was run alone in (its rows split evenly, the runs back
+    to back), side by side with it run whole (empty: not measured)."""
+    micro_batch_ratios: list[float] = field(default_factory=list)
+    """Its seconds in each of those counts over its seconds whole: what splitting the batch
+    costs it (dispatch again, kernels less efficient on fewer rows).
+    See Note [what a micro-batch costs] in memfit/stepmodel/time.py."""
 
 
 @dataclass

@@ -27,15 +27,19 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 
-from memfit.records import BlockStats, Profile
+from memfit.records import BlockStats, Profile, Speed
 from memfit.stepmodel.options import Option, Segments, block_options, micro_batch_scale, tiling
 
 __all__ = [
     "block_seconds",
+    "call_seconds",
     "fill_times",
     "forward_work",
+    "micro_batch_ratio",
+    "micro_batch_seconds",
     "option_seconds",
     "predict_options_seconds",
     "predict_step_seconds",
@@ -136,13 +140,105 @@ def option_seconds(
     return total - (option.last - option.first) * call
 
 
+# Note [what a micro-batch costs]
+# Splitting the batch into k micro-batches keeps its FLOPs and bytes (the parts add up to
+# the batch) but runs every op k times, on fewer rows: each part pays its fixed cost per call
+# k times, and kernels run less efficiently on fewer rows (a CNN's convolutions on one image
+# are several times slower per image than on 64); a checkpointed block pays again in its
+# recompute, the gradients are accumulated k - 1 times (each read twice and written once),
+# and the optimizer step runs once. What splitting costs the heaviest distinct block is
+# measured: it runs alone whole, in 2 micro-batches, in as many as it has rows and in a count
+# between (the runs back to back, side by side with the whole one; Speed.micro_batches,
+# micro_batch_ratios),
+# linear in k between those (a call's ``a + b * rows`` makes k calls cost ``k * a + b *
+# rows``). Every other part pays in proportion to its share of
+# counted ops (what does not shrink with the rows) over the timed block's: a stem of a few
+# large convolutions less, a part of many small ops more, and never more than running whole
+# once per extra micro-batch. Never less either than its counted ops dispatched again once
+# per extra micro-batch: a timed ratio below that (on a loaded machine the block whole and
+# split can fall in different moments) is a disturbed timing, and without a measurement
+# those counted ops alone are the price. A
+# plan in k micro-batches costs its whole-batch time plus that: priced like everything else,
+# never free, so the chooser weighs micro-batches against checkpointing wherever both fit.
+
+
+def micro_batch_ratio(speed: Speed, micro_batches: int) -> float | None:
+    """The timed block's seconds in ``micro_batches`` over whole: measured, or between the counts
+    measured linear in k (a part's ``a + b * rows`` per call makes k calls cost ``k * a + b *
+    rows``), on from the last two beyond them (None: none measured).
+
+    Example:
+        >>> sp = Speed(micro_batches=[2, 8], micro_batch_ratios=[1.5, 3.0])
+        >>> [micro_batch_ratio(sp, k) for k in (1, 2, 4, 8)]
+        [1.0, 1.5, 2.0, 3.0]
+    """
+    if not speed.micro_batches or micro_batches <= 1:
+        return None if not speed.micro_batches else 1.0
+    points = sorted([(1, 1.0), *zip(speed.micro_batches, speed.micro_batch_ratios, strict=True)])
+    pairs = list(itertools.pairwise(points))
+    (k0, r0), (k1, r1) = next(((a, b) for a, b in pairs if micro_batches <= b[0]), pairs[-1])
+    return r0 + (micro_batches - k0) * (r1 - r0) / (k1 - k0)
+
+
+def _ops_share(profile: Profile, part: BlockStats) -> float:
+    """The share of a part's counted forward work that is ops dispatched (before scaling)."""
+    work = forward_work(profile, part)
+    sp = profile.speed
+    return part.forward_ops * sp.op_seconds / work if sp is not None and work > 0 else 0.0
+
+
+def call_seconds(profile: Profile, part: BlockStats, micro_batches: int) -> float:
+    """Seconds ``micro_batches`` add to ``part``'s forward and backward over one run whole (its
+    recompute aside). See Note [what a micro-batch costs]."""
+    sp = profile.speed
+    if sp is None or micro_batches <= 1:
+        return 0.0
+    whole = (sp.forward_scale + sp.backward_scale) * forward_work(profile, part)
+    share = _ops_share(profile, part)
+    ratio = micro_batch_ratio(sp, micro_batches)
+    timed = next((b for b in profile.blocks if b.name == sp.timed_block), None)
+    dispatched = (micro_batches - 1) * share  # every op again: the least splitting adds
+    if ratio is None or timed is None or _ops_share(profile, timed) <= 0:
+        added = dispatched
+    else:
+        added = max(dispatched, (ratio - 1) * share / _ops_share(profile, timed))
+    return whole * min(micro_batches - 1, added)
+
+
+def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batches: int) -> float:
+    """Seconds ``micro_batches`` parts add to a step over one (See Note [what a micro-batch costs]).
+
+    Example:
+        >>> from memfit.records import BlockStats, Profile, Speed
+        >>> b = BlockStats("b0", saved_bytes={"none": 1}, backward_peak_bytes={"none": 1},
+        ...                forward_ops=10, forward_flops=90)
+        >>> sp = Speed(flop_seconds=1.0, op_seconds=1.0, byte_seconds=0.01, forward_scale=1.0,
+        ...            backward_scale=2.0, timed_block="b0", micro_batches=[4], micro_batch_ratios=[1.6])
+        >>> prof = Profile("fp32", "cpu", 4, [b], BlockStats("outside"), 0, 100, 0, 0, speed=sp)
+        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)  # 0.6 x 300 s + 3 x 300 B
+        189.0
+    """
+    sp = profile.speed
+    if micro_batches <= 1 or sp is None:
+        return 0.0
+    forward_share = sp.forward_scale / max(1e-30, sp.forward_scale + sp.backward_scale)
+    added = call_seconds(profile, profile.outside, micro_batches)
+    for o in chosen:
+        again = forward_share if o.segment or o.mode != "none" else 0.0
+        blocks = profile.blocks[o.first : o.last + 1]
+        added += (1 + again) * sum(call_seconds(profile, b, micro_batches) for b in blocks)
+    accumulate = 3 * profile.grad_bytes * sp.byte_seconds
+    return added + (micro_batches - 1) * accumulate
+
+
 def predict_options_seconds(profile: Profile, chosen: Sequence[Option], micro_batches: int = 1) -> float:
     """Predicted seconds of one step for a plan given as options (see :func:`predict_step_seconds`)."""
     s = micro_batch_scale(profile.batch_size, micro_batches) * micro_batches
     per = [block_seconds(b, recompute_scale(profile)) for b in profile.blocks]
     plain = sum(t[block_options(b)[0]] for t, b in zip(per, profile.blocks, strict=True))
     rest = max(0.0, profile.step_seconds - plain)
-    return rest + s * sum(option_seconds(profile, o, per) for o in chosen)
+    blocks = s * sum(option_seconds(profile, o, per) for o in chosen)
+    return rest + blocks + micro_batch_seconds(profile, chosen, micro_batches)
 
 
 def predict_step_seconds(
@@ -155,7 +251,8 @@ def predict_step_seconds(
 
     The rest (outside the blocks, the optimizer) is the profile's measured step time less
     its blocks' no-checkpointing times; micro-batching keeps the total compute (the parts
-    add up to the batch), so only the rounding of uneven parts changes it.
+    add up to the batch) but pays every part's fixed cost per call again in each one
+    (See Note [what a micro-batch costs]).
     """
     return predict_options_seconds(profile, tiling(profile, modes, segments), micro_batches)
 
@@ -183,9 +280,17 @@ def time_note(profile: Profile) -> str:
         + "; a checkpoint call "
         f"{sp.checkpoint_seconds * 1e6:.3g} us, selective checkpointing "
         f"{sp.selective_op_seconds * 1e6:.3g} us per op"
-        + (
-            f" (fitted to {sp.timed_block} run alone {sp.selective_steps} times)."
-            if sp.selective_steps
-            else "."
-        )
+        + (f" (fitted to {sp.timed_block} run alone {sp.selective_steps} times)" * bool(sp.selective_steps))
+        + _micro_note(sp)
+        + (f"; the rounds those prices were fitted to spread ±{sp.spread:.0%}" if sp.spread else "")
+        + "."
     )
+
+
+def _micro_note(sp: Speed) -> str:
+    if not sp.micro_batches:
+        return "; micro-batches priced by their counted ops (not measured)"
+    measured = ", ".join(
+        f"{r:.2f}x in {k}" for k, r in zip(sp.micro_batches, sp.micro_batch_ratios, strict=True)
+    )
+    return f"; {sp.timed_block} ran {measured} micro-batches of its time whole (the other parts by their ops)"
