@@ -51,7 +51,8 @@ def _hf_llama() -> Built:
 
 
 class ReadsValues(nn.Module):
-    """Residual MLP blocks behind a forward that reads a tensor's value (fake tensors cannot)."""
+    """Residual MLP blocks behind a forward that reads a computed tensor's value (fake tensors
+    cannot: the batch's values may be known to them, the weights' are not)."""
 
     def __init__(self, width: int = 256, depth: int = 4) -> None:
         super().__init__()
@@ -61,10 +62,11 @@ class ReadsValues(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if float(x.abs().sum()) == 0.0:  # a data-dependent branch
-            return x
-        for block in self.blocks:
-            x = x + block(x)
+        for i, block in enumerate(self.blocks):
+            y = block(x)
+            if i == 0 and float(y.abs().sum()) == 0.0:  # a data-dependent branch
+                return x
+            x = x + y
         return x
 
 

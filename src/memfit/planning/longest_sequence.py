@@ -129,7 +129,7 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
     size = getattr(getattr(model, "config", None), "block_size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         found.append((size, f"its config.block_size ({size})"))
-    return min(found) if found else None
+    return min(found, key=lambda f: f[0]) if found else None  # a tie: the table, found first
 
 
 def _base_facts(request: Request) -> LeverFacts:
