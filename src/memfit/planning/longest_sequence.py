@@ -119,7 +119,7 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
     Example:
         >>> from memfit.models.gpt import GPT, GPTConfig
         >>> position_limit(GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=64)))
-        (64, 'its position table pos_emb (64 rows)')
+        (64, 'its config.block_size (64)')
     """
     found: list[tuple[int, str]] = []
     for name, module in model.named_modules():
@@ -129,7 +129,7 @@ def position_limit(model: nn.Module) -> tuple[int, str] | None:
     size = getattr(getattr(model, "config", None), "block_size", None)
     if isinstance(size, int) and not isinstance(size, bool) and size > 0:
         found.append((size, f"its config.block_size ({size})"))
-    return min(found, key=lambda f: f[0]) if found else None  # a tie: the table, found first
+    return min(found) if found else None
 
 
 def _base_facts(request: Request) -> LeverFacts:
