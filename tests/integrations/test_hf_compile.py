@@ -30,7 +30,12 @@ def test_gpt2_default_config_planned_and_compiled_trains() -> None:
     model = transformers.GPT2LMHeadModel(config)
     x = torch.randint(0, 256, (4, 64), generator=torch.Generator().manual_seed(1))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    plan = memfit.plan(model, x, _loss, "75%", opt, precision="fp32")
+    # planned from its profile without the time model, as tests/test_compile.py plans: timed,
+    # two micro-batches and a checkpointed block can tie at 75%, and this test compiles the
+    # checkpointed blocks (See Note [micro-batches where they are faster] in planning/choose.py)
+    prof = memfit.profile(model, x, _loss, opt, repeats=1)
+    prof.speed = None
+    plan = memfit.plan(model, x, _loss, "75%", opt, precision="fp32", profiles={"fp32": prof})
     assert "full" in plan.blocks.values() or "selective" in plan.blocks.values() or plan.segments
     keys = list(model.state_dict())
     torch._dynamo.reset()

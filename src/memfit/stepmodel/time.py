@@ -197,11 +197,12 @@ def call_seconds(profile: Profile, part: BlockStats, micro_batches: int) -> floa
     share = _ops_share(profile, part)
     ratio = micro_batch_ratio(sp, micro_batches)
     timed = next((b for b in profile.blocks if b.name == sp.timed_block), None)
+    timed_share = _ops_share(profile, timed) if timed is not None else 0.0
     dispatched = (micro_batches - 1) * share  # every op again: the least splitting adds
-    if ratio is None or timed is None or _ops_share(profile, timed) <= 0:
+    if ratio is None or timed_share <= 0:
         added = dispatched
     else:
-        added = max(dispatched, (ratio - 1) * share / _ops_share(profile, timed))
+        added = max(dispatched, (ratio - 1) * share / timed_share)
     return whole * min(micro_batches - 1, added)
 
 
