@@ -37,7 +37,8 @@ def planned() -> Plan:
     model = _gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     plan = memfit.plan(model, _batches(1)[0], gpt_loss, "60%", opt, precision="fp32")
-    assert any(m != "none" for m in plan.blocks.values()), "the plan must checkpoint something"
+    saves = any(m != "none" for m in plan.blocks.values()) or plan.micro_batches > 1
+    assert saves, "the plan must checkpoint something or split the batch"
     return plan
 
 

@@ -78,7 +78,8 @@ def test_a_model_fake_tensors_cannot_run_is_measured_for_real() -> None:
     p = memfit.plan(model, batch, loss_fn, "60%", precision="fp32")
     measured = p.report.measured
     assert any(m.startswith("fake tensors cannot run ReadsValues") for m in measured), measured
-    assert p.measured_peak_bytes <= p.budget_bytes and "full" in p.blocks.values()
+    assert p.measured_peak_bytes <= p.budget_bytes
+    assert "full" in p.blocks.values() or p.micro_batches > 1
 
 
 @pytest.mark.slow

@@ -99,7 +99,8 @@ def test_fsdp2_per_rank_peak_within_plan_prediction() -> None:
     assert sorted(r["rank"] for r in rows) == [0, 1]
     for r in rows:
         assert r["predicted"] <= r["budget"] < r["unplanned_prediction"]
-        assert any(mode != "none" for mode in r["blocks"].values()), "the plan must checkpoint something"
+        saves = any(mode != "none" for mode in r["blocks"].values()) or r["micro_batches"] > 1
+        assert saves, "the plan must checkpoint something or split the batch"
         assert r["measured"] <= r["predicted"] * (1 + PEAK_SLACK), r
         assert r["measured"] >= 0.8 * r["predicted"], f"prediction far above the measured peak: {r}"
 
@@ -153,7 +154,7 @@ def test_auto_checkpointing_under_torchrun(auto_setup: tuple[Path, list[float]],
     assert [r["rank"] for r in rows] == [0, 1] and budget > 0
     keys = ("blocks", "segments", "precision", "micro_batches")
     assert all(all(r[k] == rows[0][k] for k in keys) for r in rows), rows
-    assert rows[0]["blocks"], "a 60% budget must checkpoint something"
+    assert rows[0]["blocks"] or rows[0]["micro_batches"] > 1, "a 60% budget must checkpoint or split"
     for r in rows:
         assert r["peak_bytes"] is not None and 0 < r["peak_bytes"] <= budget, (r, budget)
     losses = [m.loss for m in read_metrics(out / "metrics.jsonl")]

@@ -69,7 +69,8 @@ def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
         plans = [memfit.plan(model, x, _loss, budget, opt, precision="fp32") for _ in range(3)]
         assert all(h.poll() is None for h in hogs)  # the load lasted every call
     assert len({plan_key(p) for p in plans}) == 1, [plan_key(p) for p in plans]
-    assert any(m != "none" for m in plans[0].blocks.values())  # the budget needs checkpointing
+    # the budget needs checkpointing or micro-batches
+    assert any(m != "none" for m in plans[0].blocks.values()) or plans[0].micro_batches > 1
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
 
 

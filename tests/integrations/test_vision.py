@@ -71,7 +71,8 @@ def test_resnet18_plan_at_60_percent_holds_when_measured() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     plan = memfit.plan(model, batch, _ce, "60%", opt, precision="fp32")
     memfit.apply(model, plan)
-    assert memfit.checkpointing.checkpointed_blocks(model), "a 60% budget must checkpoint something"
+    saves = memfit.checkpointing.checkpointed_blocks(model) or plan.micro_batches > 1
+    assert saves, "a 60% budget must checkpoint something or split the batch"
     measured = memfit.measure(model, batch, _ce, opt, "fp32", steps=1, micro_batches=plan.micro_batches)
     assert measured.peak_bytes <= plan.budget_bytes == int(0.6 * plan.report.baseline_peak_bytes)
 
