@@ -107,3 +107,19 @@ def test_offload_facts_round_trip() -> None:
     facts = LeverFacts(host_link=FAST)
     assert LeverFacts.from_json(facts.to_json()) == facts
     assert dataclasses.replace(facts, host_link=None).host_link is None
+
+
+def test_the_longest_sequence_search_counts_offload() -> None:
+    """``maximize="seq_len"`` asks each probe whether a plan fits with offload too
+    (memfit.planning.longest_sequence): where only offloading fits, the length fits."""
+    from memfit.planning.longest_sequence import _fits, _least
+
+    prof = _chain(FAST)
+    budget = _offloaded(prof, "full")
+    assert not _fits(prof, False, budget, 1)  # recompute alone does not fit
+    assert _fits(prof, True, budget, 1)
+    assert not _fits(prof, True, budget // 2, 1)
+    # the smallest step the search reports (one token that does not fit says it) counts offload
+    assert _least(prof, False, 1) == simulate(prof, "full").peak_bytes
+    assert _least(prof, True, 1) == min(_offloaded(prof, "none"), _offloaded(prof, "full"))
+    assert _least(prof, True, 1) < _least(prof, False, 1)

@@ -15,6 +15,7 @@ import torch
 from conftest import vector_batch
 
 import memfit
+from memfit.budget import format_bytes
 from memfit.cli.main import main
 from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
@@ -40,6 +41,13 @@ def test_the_longest_sequence_trains_under_the_budget_and_one_more_token_does_no
     assert plan.made_for is not None and plan.made_for.batch == [[2, n], [2, n]]
     assert plan.notes[-1].startswith(f"longest sequence: {n:,} tokens; {n + 1:,} tokens need at least")
     assert Plan.from_json(plan.to_json()) == plan
+    # the answer's plain step is over the budget: measured on fake tensors, not run for real
+    # though the machine has room for it, and the timed steps are ones under the budget
+    # (See Note [real steps within the budget] in memfit/measuring/profile.py)
+    measured = plan.report.measured
+    assert any(f"does not fit the budget of {format_bytes(BUDGET)}" in m for m in measured), measured
+    assert not any("tracked step at fp32 without checkpointing" in m for m in measured), measured
+    assert any("timed step(s) at fp32" in m and "(the plain step does not fit)" in m for m in measured)
     # the planner, measuring for real at one token more, finds nothing that fits
     with pytest.raises(InfeasibleBudget):
         memfit.plan(model, resize_sequence(batch, n + 1), gpt_loss, BUDGET, opt, "fp32", check=False)

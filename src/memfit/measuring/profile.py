@@ -36,7 +36,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -133,6 +133,11 @@ class Profiler:
         """Memory is measured on the fake twin: the plain step does not fit the room."""
         self.timing: tuple[CheckpointMode, int] = ("none", 1)
         """The mode and micro-batches whole steps were timed in."""
+        self.within: int | None = None
+        """A peak real steps keep under where one can (the budget, where a search's answer
+        is planned): the plain step over it is measured on the twin, and whole steps are
+        timed in the cheapest configuration under it, else under the room
+        (See Note [real steps within the budget])."""
         self.failed: set[tuple[CheckpointMode, int]] = set()
         """Timing configurations that ran out of memory."""
 
@@ -202,9 +207,11 @@ class Profiler:
         peak = self.estimated_peak()
         if self.room is None:  # See Note [room after the fake step]
             self.room = room(model_device(self.model))
-        if self.room is None or peak is None or self.estimate is None:
+        if peak is None or self.estimate is None:
             return True
-        return self.room.fits(peak - self.estimate.start)
+        if self.within is not None and peak > self.within:  # See Note [real steps within the budget]
+            return False
+        return self.room is None or self.room.fits(peak - self.estimate.start)
 
     def none(self) -> StepMemory:
         """The plain step's memory, FLOPs and chain links: tracked for real where it fits the
@@ -236,11 +243,15 @@ class Profiler:
                 mem.forward_flops, mem.total_flops, type(self.model).__name__, self.blocks
             )
             return mem
-        assert self.room is not None and self.estimate is not None
+        assert self.estimate is not None
+        where = (
+            f"the room of {format_bytes(self.room.free)} ({self.room.source})"
+            if self.room is not None and not self.room.fits(self.estimate.peak - self.estimate.start)
+            else f"the budget of {format_bytes(self.within or 0)}"
+        )
         self.measured.append(
             f"the step without checkpointing ({format_bytes(self.estimate.peak)} under fake tensors) does "
-            f"not fit the room of {format_bytes(self.room.free)} ({self.room.source}): steps' memory is "
-            "measured under fake tensors"
+            f"not fit {where}: steps' memory is measured under fake tensors"
         )
         return self.use_estimate()
 
@@ -334,17 +345,15 @@ class Profiler:
             self.modes([m for m in CHECKPOINT_MODES if m != "none"])
         prof = self._memory_profile()
         start, rows = self.memory["none"].start, batch_size(self.batch)
-        # the plain step in micro-batches first (the same work), then fully checkpointed
-        modes: list[CheckpointMode] = (
-            [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]
-        )
-        for mode in modes:
-            k = 2 if mode == "none" else 1
-            while k <= rows:
-                fits = self.room is None or self.room.fits(simulate(prof, mode, k).peak_bytes - start)
-                if fits and (mode, k) not in self.failed:
-                    return mode, k
-                k *= 2
+        room = self.room
+        limits: list[Callable[[int], bool]] = [lambda peak: room is None or room.fits(peak - start)]
+        if self.within is not None:  # See Note [real steps within the budget]
+            within = self.within
+            limits.insert(0, lambda peak: peak <= within)
+        for fits in limits:
+            found = self._fewest_parts(prof, rows, fits)
+            if found is not None:
+                return found
         least = simulate(prof, "full" if self.blocks else "none", rows).peak_bytes
         free = self.room.free if self.room is not None else 0
         where = f"{format_bytes(free)} ({self.room.source})" if self.room is not None else "unknown"
@@ -356,6 +365,34 @@ class Profiler:
             minimum_bytes=least,
             budget_bytes=start + free,
         )
+
+    def _fewest_parts(
+        self, prof: Profile, rows: int, fits: Callable[[int], bool]
+    ) -> tuple[CheckpointMode, int] | None:
+        """The plain step in the fewest micro-batches whose peak ``fits``, else every block fully
+        checkpointed in the fewest (None: none fits)."""
+        modes: list[CheckpointMode] = (
+            [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]
+        )
+        for mode in modes:
+            k = 2 if mode == "none" else 1
+            while k <= rows:
+                if fits(simulate(prof, mode, k).peak_bytes) and (mode, k) not in self.failed:
+                    return mode, k
+                k *= 2
+        return None
+
+    # Note [real steps within the budget]
+    # A search's answer (the longest sequence that fits) is a step whose plain form is over
+    # the budget by construction, often by many times: at 20k tokens a small Llama's plain
+    # step is gigabytes of logits where the budget is 512 MiB. Run for real because the
+    # device's room happens to hold it, it takes that memory from whatever shares the device
+    # and minutes per step on a CPU. So where ``within`` is set, the plain step over it is
+    # measured on the fake twin (exact where the twin runs the device's kernels), and whole
+    # steps are timed in the cheapest configuration under it (the plain step in
+    # micro-batches, else fully checkpointed) or, where none is (what the levers save is
+    # not in these steps), the cheapest under the room. The blocks alone and the plan's
+    # check run as always.
 
     # Note [timing a step that does not fit]
     # The time model needs a whole step's forward and backward seconds. Where the plain step

@@ -99,7 +99,9 @@ def _profilers(request: Request) -> tuple[dict[str, Profiler], Profiler]:
     def profiler(p: str) -> Profiler:
         precision = Precision(p, device=request.device)  # type: ignore[arg-type]
         r = request
-        return Profiler(r.model, r.batch, r.loss_fn, r.optimizer, precision, blocks=r.blocks)
+        prof = Profiler(r.model, r.batch, r.loss_fn, r.optimizer, precision, blocks=r.blocks)
+        prof.within = r.steps_within
+        return prof
 
     profilers: dict[str, Profiler] = {p: profiler(p) for p in request.precisions}
     return profilers, profilers.get("fp32") or profiler("fp32")
