@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_long_context import BUDGET, _hf_step, _loss, _model, _tokens, _tracked
 
 import memfit
+from memfit import progress
 from memfit.records import Plan
 
 #: Loss and gradients of the plan's forward and backward against the plain step's.
@@ -136,6 +137,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--seq", type=int, help="plan this length (no search): to time a known answer again")
     args = parser.parse_args()
+    progress.configure(quiet=False)  # the search's phases on stderr, in a log too
     torch.set_num_threads(1)
     model = _model()
     if args.lora:
