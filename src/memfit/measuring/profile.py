@@ -339,7 +339,7 @@ class Profiler:
 
         See Note [timing a step that does not fit].
         """
-        if ("none", 1) not in self.failed and (not self.fake or self.room is None):
+        if ("none", 1) not in self.failed and (not self.fake or (self.room is None and self.within is None)):
             return "none", 1
         if "full" not in self.memory and self.blocks:
             self.modes([m for m in CHECKPOINT_MODES if m != "none"])
