@@ -35,6 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
+from memfit import progress
 from memfit.planning.longest_estimate import DEFAULT_GRAIN, SequenceSearch
 
 GiB = 2**30
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--grain", type=int, default=DEFAULT_GRAIN, help="tokens")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    progress.configure(quiet=False)  # each probe's line (and the estimate's phases) on stderr, also in a log
     started = time.perf_counter()
     search = SequenceSearch(
         _model, torch.zeros(1, args.grain, dtype=torch.long), _loss,
