@@ -9,12 +9,13 @@ import torch
 from conftest import mse_loss, vector_batch
 
 import memfit
+import memfit.stepmodel
 from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.models.llama import llama
 from memfit.planning.longest_estimate import SequenceSearch, TierStep, longest_estimate
 from memfit.planning.longest_sequence import resize_sequence
-from memfit.records import BREAKDOWN_KEYS
+from memfit.records import BREAKDOWN_KEYS, Profile
 from memfit.records.long_context import LongestEstimate
 
 MiB = 2**20
@@ -39,6 +40,11 @@ def _smallest(tokens: int) -> int:
     return min(e.peak_bytes for e in est.entries)
 
 
+def _profile(tokens: int) -> Profile:
+    est = memfit.estimate(_gpt, resize_sequence(_batch(), tokens), gpt_loss, _adamw, precisions=["fp32"])
+    return est.profiles["fp32"]
+
+
 def _one_sentence(message: str) -> None:
     assert message.endswith(".") and "\n" not in message and ". " not in message, message
 
@@ -54,6 +60,7 @@ def test_the_answer_fits_and_one_grain_more_does_not_per_memfit_estimate() -> No
     assert a.peak_bytes == _smallest(a.tokens) <= 3 * MiB < _smallest(a.next_tokens) == a.next_peak_bytes
     assert sum(a.breakdown[k] for k in BREAKDOWN_KEYS) == a.peak_bytes
     assert a.precision == "fp32" and a.mode in ("none", "selective", "full") and a.levers == []
+    assert a.event in {label for label, _ in memfit.stepmodel.simulate(_profile(a.tokens), a.mode).timeline}
     assert a.tokens in found.probes and a.next_tokens in found.probes
     assert len(found.probe_seconds) == len(found.probes) and all(s > 0 for s in found.probe_seconds)
     assert LongestEstimate.from_json(found.to_json()) == found
@@ -107,7 +114,7 @@ def test_each_tier_answers_and_more_levers_reach_further() -> None:
     assert 0 < levers.tokens <= offload.tokens and levers.levers == ["chunked_loss"]
     for a in (levers, offload):
         assert a.peak_bytes <= 48 * MiB < a.next_peak_bytes or a.next_tokens == 0
-        assert sum(a.breakdown[k] for k in BREAKDOWN_KEYS) == a.peak_bytes
+        assert sum(a.breakdown[k] for k in BREAKDOWN_KEYS) == a.peak_bytes and a.event
     # offload takes the blocks' checkpointed inputs off the device: less at the same length, or longer
     assert offload.levers == ["offload", "chunked_loss"] and offload.host_bytes > 0
     assert offload.peak_bytes < levers.peak_bytes or offload.tokens > levers.tokens

@@ -51,10 +51,10 @@ def test_one_line_per_tier_and_the_numbers_memfit_estimate_gives(capsys: pytest.
         f"of 3.00 MiB; {a.next_tokens:,} tokens need {format_bytes(a.next_peak_bytes)}"
     )
     header = next(line for line in out if line.startswith("lever tier "))
-    for column in ("longest", "strategy", "activations", "peak", "+1 grain", "its peak"):
+    for column in ("longest", "strategy", "activations", "peak", "+1 grain", "its peak", "peak at"):
         assert column in header
     row = next(line for line in out if line.startswith("no levers "))
-    assert f"{a.tokens:,}" in row and f"fp32 / {a.mode}" in row
+    assert f"{a.tokens:,}" in row and f"fp32 / {a.mode}" in row and row.endswith(a.event)
     assert not any(line.startswith("RESULT") for line in out)
 
 

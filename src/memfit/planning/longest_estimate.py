@@ -83,6 +83,8 @@ class TierStep:
     mode: str
     breakdown: dict[str, int] = field(default_factory=dict)
     host_bytes: int = 0
+    event: str = ""
+    """Where in the step the peak is (the step model's event)."""
 
 
 # Note [a tier's smallest step]
@@ -125,13 +127,17 @@ def _offloaded(prof: Profile, mode: str, levers: Sequence[str]) -> TierStep:
     parts = evs[at].parts(chosen)
     parts["activations"] -= evs[at].value(chosen) - price.timeline[at][1]
     offloaded = normalize_levers([*levers, OFFLOAD.name])
-    return TierStep(price.peak_bytes, offloaded, prof.precision, mode, parts, price.host_bytes)
+    return TierStep(
+        price.peak_bytes, offloaded, prof.precision, mode, parts, price.host_bytes, price.peak_event
+    )
 
 
 def _candidates(est: Estimate, usable: Sequence[str], offload: bool) -> Iterator[TierStep]:
     """Every lever set's step of ``usable`` at every precision and uniform mode (and offloaded);
     without levers, the estimate's own entries (See Note [a tier's smallest step])."""
-    yield from (TierStep(e.peak_bytes, [], e.precision, e.mode, dict(e.breakdown)) for e in est.entries)
+    for e in est.entries:  # the step model names the event (the entry's peak is a tracked step's)
+        event = simulate(est.profiles[e.precision], e.mode).peak_event if e.precision in est.profiles else ""
+        yield TierStep(e.peak_bytes, [], e.precision, e.mode, dict(e.breakdown), event=event)
     for levers in lever_sets(usable) if usable else [[]]:
         for precision, prof in est.profiles.items():
             if not all(lever(n).runs_at(precision) for n in levers):
@@ -140,7 +146,8 @@ def _candidates(est: Estimate, usable: Sequence[str], offload: bool) -> Iterator
             for mode in sorted({m for b in under.blocks for m in b.saved_bytes} or {"none"}):
                 if levers:
                     sim = simulate(under, mode)
-                    yield TierStep(sim.peak_bytes, list(levers), precision, mode, dict(sim.breakdown))
+                    parts = dict(sim.breakdown)
+                    yield TierStep(sim.peak_bytes, list(levers), precision, mode, parts, event=sim.peak_event)
                 if offload and under.blocks:
                     yield _offloaded(under, mode, levers)
 
@@ -240,7 +247,7 @@ class SequenceSearch:
         return LongestAnswer(
             tier=tier, allowed=list(self.tiers[tier]), tokens=lo * self.grain, levers=at.levers,
             precision=at.precision, mode=at.mode, peak_bytes=at.peak, breakdown=dict(at.breakdown),
-            host_bytes=at.host_bytes, next_tokens=hi * self.grain if hi else 0,
+            host_bytes=at.host_bytes, event=at.event, next_tokens=hi * self.grain if hi else 0,
             next_peak_bytes=self.steps[hi][tier].peak if hi else 0, limit="" if hi else self.limit,
         )  # fmt: skip
 

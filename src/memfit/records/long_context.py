@@ -108,6 +108,9 @@ class LongestAnswer(Record):
     """The peak split into :data:`memfit.records.BREAKDOWN_KEYS`; adds up to :attr:`peak_bytes`."""
     host_bytes: int = 0
     """Pinned host memory the step offloads to (0: no offload)."""
+    event: str = ""
+    """Where in the step the peak is, e.g. "backward outside the blocks (loss, head)" (the step
+    model's event)."""
     next_tokens: int = 0
     """One grain more (0: the search stopped at :attr:`limit` instead)."""
     next_peak_bytes: int = 0

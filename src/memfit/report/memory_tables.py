@@ -181,7 +181,10 @@ def longest_table(found: LongestEstimate) -> str:
         step = [f"{a.precision} / {a.mode}", *(format_bytes(a.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS)]
         step += [format_bytes(a.peak_bytes), format_bytes(a.host_bytes) if a.host_bytes else "-"]
         nxt = [f"{a.next_tokens:,}", format_bytes(a.next_peak_bytes)] if a.next_tokens else ["-", "-"]
-        rows.append([a.tier, f"{a.tokens:,}", *(step if a.tokens else ["-"] * len(step)), *nxt])
+        rows.append(
+            [a.tier, f"{a.tokens:,}", *(step if a.tokens else ["-"] * len(step)), *nxt, a.event or "-"]
+        )
+    headers.append("peak at")
     return text_table(headers, rows)
 
 
