@@ -246,7 +246,31 @@ def _estimate(parser: argparse.ArgumentParser) -> None:
         metavar="PRECISION",
         help="estimate only this precision: fp32, bf16 or fp16 (repeatable; default all three)",
     )
-    _levers(parser, "also print the smallest step these levers allow (comma-separated names or 'all')")
+    _levers(
+        parser,
+        "also print the smallest step these levers allow (comma-separated names or 'all'); with "
+        "--maximize seq_len, the levers the longest sequence may use",
+    )
+    parser.add_argument(
+        "--maximize",
+        type=_one_of("MAXIMIZE"),
+        metavar="seq_len",
+        help="seq_len: the longest sequence (at the configured batch size) whose step fits --device-memory, "
+        "with no levers, with --levers but offload, and with offload too if --levers allows it",
+    )
+    parser.add_argument(
+        "--grain",
+        type=int,
+        metavar="TOKENS",
+        help="with --maximize seq_len: lengths searched are multiples of this (default 1024)",
+    )
+    parser.add_argument(
+        "--max-seq-len",
+        type=int,
+        metavar="TOKENS",
+        help="with --maximize seq_len: the longest length searched (default: what the model's position "
+        "table takes, else 16,777,216)",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON")
     add_quiet_argument(parser)
 

@@ -8,6 +8,12 @@ Example:
     memfit estimate --set model.n_layer=12 --set model.n_embd=768 --device-memory 24GiB
     memfit estimate --set model.name=import:memfit.models.llama:llama --set model.kwargs.preset=7b \\
         --set train.batch_size=1 --device-memory 80GiB
+    memfit estimate --set model.name=import:memfit.models.llama:llama --set model.kwargs.preset=8b \\
+        --set model.kwargs.block_size=131072 --set train.batch_size=1 --precision bf16 \\
+        --device-memory 80GiB --maximize seq_len --levers chunked_loss,tiled_mlp,offload
+
+With ``--maximize seq_len`` it answers, for each lever tier, the longest sequence whose step fits
+``--device-memory`` instead (:func:`memfit.planning.longest_estimate.longest_estimate`).
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ from memfit.devices import DeviceFacts, device_facts, resolve_device, slow_preci
 from memfit.errors import ConfigError
 from memfit.measuring.estimate import estimate
 from memfit.planning.lever_sets import lever_profiles, smallest_with_levers
+from memfit.planning.longest_estimate import DEFAULT_GRAIN, check_grain, longest_estimate
 from memfit.records import Estimate, EstimateEntry, Profile
 from memfit.report.adapter_table import adapter_table
-from memfit.report.memory_tables import head_table, strategy_table, verdict_line
+from memfit.report.memory_tables import head_table, longest_line, longest_table, strategy_table, verdict_line
+from memfit.step import Batch, LossFn
 from memfit.stepmodel import simulate
 from memfit.vocab import PRECISIONS
 
@@ -39,11 +47,32 @@ __all__ = ["AdapterColumns", "adapter_columns", "adapter_lines", "check", "run"]
 
 
 def check(args: argparse.Namespace) -> None:
-    """Refuse a bad config or ``--device-memory`` before estimating."""
+    """Refuse a bad config, ``--device-memory`` or ``--maximize`` before estimating."""
     if args.device_memory is not None:
         parse_bytes(args.device_memory, what="device memory")
     normalize_levers(args.levers)
+    _check_maximize(args)
     config_from_args(args)
+
+
+def _check_maximize(args: argparse.Namespace) -> None:
+    if args.maximize is None:
+        if args.grain is not None or args.max_seq_len is not None:
+            raise ConfigError(
+                "--grain and --max-seq-len go with --maximize seq_len; add it or leave them out."
+            )
+        return
+    if args.maximize != "seq_len":
+        raise ConfigError(
+            f"memfit estimate --maximize takes seq_len only, not {args.maximize}; the largest batch is "
+            "memfit plan --maximize batch_size."
+        )
+    if args.device_memory is None:
+        raise ConfigError(
+            "memfit estimate --maximize seq_len needs --device-memory, the memory the step must fit "
+            "(e.g. 24GiB)."
+        )
+    check_grain(DEFAULT_GRAIN if args.grain is None else args.grain, args.max_seq_len)
 
 
 def lever_line(est: Estimate, memory: int | None, refused: dict[str, str] | None = None) -> str:
@@ -73,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     spec = spec_for(cfg, meta=True)
     batch = batch_for(spec, cfg)
+    if args.maximize == "seq_len":
+        assert memory is not None  # check refused it without
+        return _run_longest(args, cfg, spec.loss_fn, batch, memory)
     lora = cfg.model.lora.rank > 0
     est = estimate(
         lambda: build_model(cfg.model).model,
@@ -133,6 +165,35 @@ def run(args: argparse.Namespace) -> int:
         hint = missing_torchao_hint(levers)
         if hint is not None and est.with_levers is not None:
             print(f"{hint[0].upper()}{hint[1:]}.")
+    return 0
+
+
+def _run_longest(args: argparse.Namespace, cfg: Config, loss_fn: LossFn, batch: Batch, memory: int) -> int:
+    """``--maximize seq_len``: the longest sequence of each lever tier, as a table and one line each."""
+    found = longest_estimate(
+        lambda: build_model(cfg.model).model, batch, loss_fn, optimizer_fn(cfg), device_memory=memory,
+        precisions=args.precision or PRECISIONS, levers=args.levers,
+        grain=DEFAULT_GRAIN if args.grain is None else args.grain, max_seq_len=args.max_seq_len,
+    )  # fmt: skip
+    if args.json:
+        print(found.to_json())
+        return 0
+    probes = f"{len(found.probes)} estimate{'s' if len(found.probes) > 1 else ''}"
+    print(
+        f"{found.model}: {found.param_count:,} parameters, {found.batch_size} x the sequence, "
+        f"{found.optimizer}; the longest sequence in {format_bytes(memory)}, in grains of "
+        f"{found.grain:,} tokens, from {probes} on fake tensors ({sum(found.probe_seconds):.0f} s)"
+    )
+    print()
+    print(longest_table(found))
+    print()
+    print("assumptions:")
+    for line in found.assumptions:
+        print(f"  - {line}")
+    for name, why in found.refused.items():
+        print(f"  - {name} is left out: {why}.")
+    for answer in found.answers:
+        print(longest_line(answer, memory))
     return 0
 
 

@@ -58,7 +58,7 @@ from memfit.records import LeverFacts, Plan, Profile
 from memfit.step import Batch, batch_size
 from memfit.vocab import CHECKPOINT_MODES
 
-__all__ = ["longest_sequence", "position_limit", "resize_sequence", "sequence_length"]
+__all__ = ["longest_sequence", "most_saving", "position_limit", "resize_sequence", "sequence_length"]
 
 #: ``memfit.plan``'s planner for one batch: ``plan_at(batch, budget_bytes) -> Plan``.
 PlanAt = Callable[[Batch, int], Plan]
@@ -76,11 +76,14 @@ def _is_tokens(t: torch.Tensor) -> bool:
     return t.ndim == 2 and not t.is_floating_point() and not t.is_complex() and t.dtype != torch.bool
 
 
-def sequence_length(batch: Batch) -> int:
+def sequence_length(
+    batch: Batch, remedy: str = "use maximize='batch_size' for a model without a sequence"
+) -> int:
     """The batch's sequence length: dimension 1 of its first 2-D integer tensor.
 
     Raises:
-        ConfigError: no tensor of the batch is ``[batch, sequence]`` token ids.
+        ConfigError: no tensor of the batch is ``[batch, sequence]`` token ids (the message
+            ends with ``remedy``).
 
     Example:
         >>> sequence_length((torch.zeros(2, 7, dtype=torch.long), torch.zeros(2, 7, dtype=torch.long)))
@@ -92,7 +95,7 @@ def sequence_length(batch: Batch) -> int:
     shapes = ", ".join(f"{t.dtype} {tuple(t.shape)}" for t in _tensors(batch) if isinstance(t, torch.Tensor))
     raise ConfigError(
         f"maximize='seq_len' grows the sequence of a batch of token ids ([batch, sequence] integers), but "
-        f"this batch has no such tensor ({shapes}): use maximize='batch_size' for a model without a sequence."
+        f"this batch has no such tensor ({shapes}): {remedy}."
     )
 
 
@@ -168,9 +171,16 @@ def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> 
     return out
 
 
-def _most_saving(profile: Profile, levers: Sequence[str]) -> Profile:
+def most_saving(profile: Profile, levers: Sequence[str]) -> Profile:
     """``profile`` under ``levers``, each at the last of its settings (the fewest bytes: the
-    loss head's smallest chunk, the tiled MLP's most chunks)."""
+    loss head's smallest chunk, the tiled MLP's most chunks).
+
+    Example:
+        >>> from memfit.records import BlockStats
+        >>> prof = Profile("fp32", "cpu", 1, [], BlockStats("outside"), 0, 0, 0, 0)
+        >>> most_saving(prof, []) is prof
+        True
+    """
     for name in levers:
         ladder = lever(name).settings({profile.precision: profile})
         profile = lever(name).at_settings(profile, ladder[-1])
@@ -184,7 +194,7 @@ def _predicted(profiles: Mapping[str, Profile], allowed: Sequence[str]) -> Itera
     for levers in sorted(lever_sets(usable) if usable else [[]], key=len, reverse=True):
         for p, prof in profiles.items():
             if all(lever(n).runs_at(p) for n in levers):
-                yield OFFLOAD.name in levers, _most_saving(prof, levers)
+                yield OFFLOAD.name in levers, most_saving(prof, levers)
 
 
 def _fits(prof: Profile, offloads: bool, budget: int, micro: int) -> bool:

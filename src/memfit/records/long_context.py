@@ -1,8 +1,11 @@
-"""What the long-context levers' prices rest on: the tiled MLP's bytes, the host link's speed.
+"""Long context: what the long-context levers' prices rest on (the tiled MLP's bytes, the host
+link's speed), and the longest sequence an estimate finds.
 
 :class:`TiledMlpFacts` is measured on one MLP alone at the step's shape
 (:func:`memfit.measuring.long_context.tiled_mlp_facts`) and read by
 :mod:`memfit.stepmodel.tiled_mlp`; :class:`HostLinkFacts` by :mod:`memfit.stepmodel.offload`.
+:class:`LongestEstimate` is what :func:`memfit.planning.longest_estimate.longest_estimate`
+(``memfit estimate --maximize seq_len``) answers, one :class:`LongestAnswer` per lever tier.
 
 Example:
     >>> f = TiledMlpFacts(modules=["blocks.0.mlp"], rows=1, positions=64, hidden=32,
@@ -17,7 +20,7 @@ from dataclasses import dataclass, field
 
 from memfit.records.base import Record
 
-__all__ = ["HostLinkFacts", "MlpCost", "TiledMlpFacts"]
+__all__ = ["HostLinkFacts", "LongestAnswer", "LongestEstimate", "MlpCost", "TiledMlpFacts"]
 
 
 @dataclass
@@ -80,3 +83,63 @@ class HostLinkFacts(Record):
     """Bytes of the buffer each copy was timed on (median of a few)."""
     refused: str = ""
     """Why activations cannot go to host memory here ("" : they can), e.g. a CPU."""
+
+
+@dataclass
+class LongestAnswer(Record):
+    """The longest sequence one lever tier fits in the device memory, predicted on fake tensors;
+    its step is the smallest over the tier's lever sets, precisions and uniform checkpointing
+    modes, at one micro-batch."""
+
+    tier: str = ""
+    """"no levers", "levers" (the allowed levers but offload) or "levers and offload"."""
+    allowed: list[str] = field(default_factory=list)
+    """The levers the tier may use ([]: none)."""
+    tokens: int = 0
+    """The longest sequence that fits, a multiple of the grain (0: not even one grain)."""
+    levers: list[str] = field(default_factory=list)
+    """The lever set of the smallest step at :attr:`tokens`."""
+    precision: str = ""
+    mode: str = ""
+    """The checkpointing mode of every block in that step."""
+    peak_bytes: int = 0
+    """That step's predicted peak (0 where :attr:`tokens` is 0)."""
+    breakdown: dict[str, int] = field(default_factory=dict)
+    """The peak split into :data:`memfit.records.BREAKDOWN_KEYS`; adds up to :attr:`peak_bytes`."""
+    host_bytes: int = 0
+    """Pinned host memory the step offloads to (0: no offload)."""
+    event: str = ""
+    """Where in the step the peak is, e.g. "backward outside the blocks (loss, head)" (the step
+    model's event)."""
+    next_tokens: int = 0
+    """One grain more (0: the search stopped at :attr:`limit` instead)."""
+    next_peak_bytes: int = 0
+    """The smallest predicted step at :attr:`next_tokens`: over the device memory."""
+    limit: str = ""
+    """What stopped the search before the memory did ("": the memory)."""
+
+
+@dataclass
+class LongestEstimate(Record):
+    """The longest sequence each lever tier fits in :attr:`device_memory`, predicted on fake
+    tensors (nothing allocated)."""
+
+    model: str
+    param_count: int
+    batch_size: int
+    """Rows of the batch; the sequence is what grows."""
+    optimizer: str
+    device_memory: int
+    grain: int
+    """Lengths searched are multiples of this many tokens."""
+    answers: list[LongestAnswer] = field(default_factory=list)
+    """One per tier: no levers, the allowed levers but offload, all allowed levers."""
+    longest: int = 0
+    """The longest length searched (a position table, the cap asked for), a multiple of the grain."""
+    probes: list[int] = field(default_factory=list)
+    """The lengths estimated, in the order they ran."""
+    probe_seconds: list[float] = field(default_factory=list)
+    """Seconds each took (same order)."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Allowed levers the estimate cannot predict, and why."""
+    assumptions: list[str] = field(default_factory=list)

@@ -19,10 +19,19 @@ from collections.abc import Sequence
 
 from memfit.budget import format_bytes
 from memfit.records import BREAKDOWN_KEYS, EstimateEntry, HeadFacts, Profile
+from memfit.records.long_context import LongestAnswer, LongestEstimate
 from memfit.report.table import text_table
 from memfit.stepmodel.head_chunks import chunk_ladder, head_cost_at
 
-__all__ = ["STRATEGY_HEADERS", "block_table", "head_table", "strategy_table", "verdict_line"]
+__all__ = [
+    "STRATEGY_HEADERS",
+    "block_table",
+    "head_table",
+    "longest_line",
+    "longest_table",
+    "strategy_table",
+    "verdict_line",
+]
 
 STRATEGY_HEADERS = (
     "strategy",
@@ -161,3 +170,48 @@ def head_table(facts: HeadFacts | None, precision: str = "") -> str | None:
         f"{format_bytes(facts.weight_grad_bytes)}, from its forward: the plain head makes it in its backward)"
     )
     return f"{table}\n{note}"
+
+
+def longest_table(found: LongestEstimate) -> str:
+    """``memfit estimate --maximize seq_len``: one row per lever tier, its longest sequence, that
+    step's peak split by role, and what one grain more needs."""
+    headers = ["lever tier", "longest", "strategy", *STRATEGY_HEADERS[1:-1], "host", "+1 grain", "its peak"]
+    rows = []
+    for a in found.answers:
+        step = [f"{a.precision} / {a.mode}", *(format_bytes(a.breakdown.get(k, 0)) for k in BREAKDOWN_KEYS)]
+        step += [format_bytes(a.peak_bytes), format_bytes(a.host_bytes) if a.host_bytes else "-"]
+        nxt = [f"{a.next_tokens:,}", format_bytes(a.next_peak_bytes)] if a.next_tokens else ["-", "-"]
+        rows.append(
+            [a.tier, f"{a.tokens:,}", *(step if a.tokens else ["-"] * len(step)), *nxt, a.event or "-"]
+        )
+    headers.append("peak at")
+    return text_table(headers, rows)
+
+
+def longest_line(a: LongestAnswer, device_memory: int) -> str:
+    """One tier's answer in a sentence.
+
+    Example:
+        >>> a = LongestAnswer("levers", ["chunked_loss"], 2048, ["chunked_loss"], "bf16", "full", 900,
+        ...                   next_tokens=3072, next_peak_bytes=1100)
+        >>> head, rest = longest_line(a, 1000).split(": ", 1)
+        >>> head
+        'longest sequence with levers chunked_loss (of chunked_loss)'
+        >>> rest
+        '2,048 tokens, peak 900 B of 1000 B; 3,072 tokens need 1.07 KiB'
+    """
+    memory = format_bytes(device_memory)
+    if not a.tokens:
+        return (
+            f"longest sequence with {a.tier}: none fits {memory}; {a.next_tokens:,} tokens (one grain) need "
+            f"{format_bytes(a.next_peak_bytes)}"
+        )
+    using = "no levers"
+    if a.allowed:
+        using = f"levers {', '.join(a.levers) or 'none'} (of {', '.join(a.allowed)})"
+    head = (
+        f"longest sequence with {using}: {a.tokens:,} tokens, peak {format_bytes(a.peak_bytes)} of {memory}"
+    )
+    if a.next_tokens:
+        return f"{head}; {a.next_tokens:,} tokens need {format_bytes(a.next_peak_bytes)}"
+    return f"{head}; the search stops there ({a.limit})"
