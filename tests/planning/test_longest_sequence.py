@@ -43,7 +43,7 @@ def test_the_longest_sequence_trains_under_the_budget_and_one_more_token_does_no
     assert Plan.from_json(plan.to_json()) == plan
     # the answer's plain step is over the budget: measured on fake tensors, not run for real
     # though the machine has room for it, and the timed steps are ones under the budget
-    # (See Note [real steps within the budget] in memfit/measuring/profile.py)
+    # (See Note [real steps within the budget] in memfit/planning/longest_sequence.py)
     measured = plan.report.measured
     assert any(f"does not fit the budget of {format_bytes(BUDGET)}" in m for m in measured), measured
     assert not any("tracked step at fp32 without checkpointing" in m for m in measured), measured

@@ -137,7 +137,7 @@ class Profiler:
         """A peak real steps keep under where one can (the budget, where a search's answer
         is planned): the plain step over it is measured on the twin, and whole steps are
         timed in the cheapest configuration under it, else under the room
-        (See Note [real steps within the budget])."""
+        (See Note [real steps within the budget] in memfit/planning/longest_sequence.py)."""
         self.failed: set[tuple[CheckpointMode, int]] = set()
         """Timing configurations that ran out of memory."""
 
@@ -381,18 +381,6 @@ class Profiler:
                     return mode, k
                 k *= 2
         return None
-
-    # Note [real steps within the budget]
-    # A search's answer (the longest sequence that fits) is a step whose plain form is over
-    # the budget by construction, often by many times: at 20k tokens a small Llama's plain
-    # step is gigabytes of logits where the budget is 512 MiB. Run for real because the
-    # device's room happens to hold it, it takes that memory from whatever shares the device
-    # and minutes per step on a CPU. So where ``within`` is set, the plain step over it is
-    # measured on the fake twin (exact where the twin runs the device's kernels), and whole
-    # steps are timed in the cheapest configuration under it (the plain step in
-    # micro-batches, else fully checkpointed) or, where none is (what the levers save is
-    # not in these steps), the cheapest under the room. The blocks alone and the plan's
-    # check run as always.
 
     # Note [timing a step that does not fit]
     # The time model needs a whole step's forward and backward seconds. Where the plain step

@@ -280,7 +280,7 @@ def _longest(
 
     def plan_at(sized: Batch, budget_bytes: int) -> Plan:
         at = Budget(bytes=budget_bytes, text=str(budget_bytes))
-        # See Note [real steps within the budget] in memfit/measuring/profile.py
+        # See Note [real steps within the budget] in memfit/planning/longest_sequence.py
         return _plan_batch(replace(request, batch=sized, budget=at, steps_within=budget_bytes))
 
     with progress.phase(f"finding the longest sequence that fits {request.shown}"):

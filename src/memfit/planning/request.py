@@ -75,7 +75,7 @@ class Request:
     """Micro-batches allowed (False: the largest-batch search's batch, planned whole)."""
     steps_within: int | None = None
     """A peak measuring's real steps keep under where they can (the longest-sequence search's
-    budget; See Note [real steps within the budget] in memfit/measuring/profile.py)."""
+    budget; See Note [real steps within the budget] in memfit/planning/longest_sequence.py)."""
 
     def budget_bytes(self, baseline_peak: int) -> int:
         """The budget in bytes: a percentage of ``baseline_peak``, ``"device"`` what is held plus
