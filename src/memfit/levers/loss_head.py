@@ -348,7 +348,8 @@ def plain_cross_entropy(
     """The same loss with the whole logits, as Hugging Face's models compute it: the reference.
 
     The logits are made in the head's dtype (autocast's), scaled and soft-capped there,
-    upcast to fp32 and passed to ``F.cross_entropy``.
+    upcast to fp32 and passed to ``F.cross_entropy``, the head's-dtype logits alive until the
+    loss is made (as a model's forward keeps them for its output).
     """
     logits = F.linear(hidden, weight, bias)
     if logit_scale is not None:
@@ -357,8 +358,9 @@ def plain_cross_entropy(
         logits = logits / softcap
         logits = torch.tanh(logits)
         logits = logits * softcap
-    logits = logits.float()
-    flat = logits.reshape(-1, logits.shape[-1])
+    # the head's-dtype logits stay alive beside their fp32 copy, as in the models' forward
+    # (which keeps them for its output): the reference's bytes are the models' bytes
+    flat = logits.float().reshape(-1, logits.shape[-1])
     return F.cross_entropy(flat, targets.reshape(-1), ignore_index=ignore_index, reduction=reduction)
 
 

@@ -216,8 +216,18 @@ def lever_facts(
 # of both heads is linear in the tokens (logits, their fp32 copies, softmax and gradients:
 # tokens x vocab; hidden-state gradients: tokens x hidden; chunks and the weight's gradient:
 # constant), so above 4 chunks the head is measured at 2 and 4 chunks of tokens and
-# extrapolated: a 150k-vocabulary head is never made whole to be measured. The chunked
-# head is measured at two chunk sizes, the default and the planner's smallest.
+# extrapolated: a 150k-vocabulary head is never made whole to be measured. The peak is a
+# maximum of such lines, one per moment, and the moment moves: on Llama 3's head (4,096 x
+# 128,256) 130 and 260 tokens peak where the weight's gradient is made, 12,288 tokens where
+# the fp32 logits, their log-softmax and its gradient are alive, so a line through the two
+# peaks under-predicts the long head 6x. The plain head runs the same operations at every
+# length, so the bytes after each operation are extrapolated one by one and the peak taken
+# over them: exact (tests/test_head_at_length.py). The chunked head runs one more chunk per
+# chunk of tokens; its line through the peaks is kept (its long-run bytes are the hidden
+# states' gradient, one line). The probe is made as the head is: a frozen head (LoRA) makes
+# no weight gradient, and the plain head keeps its head's-dtype logits beside their fp32
+# copy, as the models' forward does. The chunked head is measured at two chunk sizes, the
+# default and the planner's smallest.
 
 
 class _Stop(Exception):
@@ -265,8 +275,18 @@ def _step_shape(
 
 def head_cost(spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, chunk: int | None) -> HeadCost:
     """MemTracker's bytes of the head alone on ``tokens`` hidden states (``chunk`` None: plain)."""
+    return _head_run(spec, tokens, dtype, precision, chunk)[0]
+
+
+def _head_run(
+    spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, chunk: int | None
+) -> tuple[HeadCost, list[tuple[str, int]]]:
+    """:func:`head_cost` and the bytes above the start after every operation, by phase."""
     w = spec.head.weight
     probe = nn.Linear(w.shape[1], w.shape[0], bias=spec.head.bias is not None, device=w.device, dtype=w.dtype)
+    for mine, theirs in ((probe.weight, w), (probe.bias, spec.head.bias)):
+        if mine is not None and theirs is not None:
+            mine.requires_grad_(theirs.requires_grad)  # a frozen head makes no weight gradient
     torch.manual_seed(0)
     h0 = torch.randn(tokens, w.shape[1], device=w.device, dtype=dtype, requires_grad=True)
     y = torch.randint(0, w.shape[0], (tokens,), device=w.device)
@@ -278,6 +298,7 @@ def head_cost(spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, c
             h = h0 * 1.0
             tracker.enter_phase("head forward")
             start = tracker.total()
+            tracker.timeline = []
             if chunk is None:
                 loss = plain_cross_entropy(h, probe.weight, y, probe.bias, logit_scale=scale, softcap=cap)
             else:
@@ -288,8 +309,8 @@ def head_cost(spec: HeadSpec, tokens: int, dtype: torch.dtype, precision: str, c
             kept = tracker.total()
         tracker.enter_phase("head backward")
         loss.backward()
-    peaks = tracker.phase_peak
-    return HeadCost(kept - start, peaks["head forward"] - start, peaks["head backward"] - start)
+    peaks, line = tracker.phase_peak, [(phase, total - start) for phase, total in tracker.timeline]
+    return HeadCost(kept - start, peaks["head forward"] - start, peaks["head backward"] - start), line
 
 
 def _at_tokens(
@@ -299,21 +320,18 @@ def _at_tokens(
     (Note [the head measured alone])."""
     if tokens <= 4 * unit:
         return head_cost(spec, tokens, dtype, precision, chunk)
-    a, b = (
-        head_cost(spec, 2 * unit, dtype, precision, chunk),
-        head_cost(spec, 4 * unit, dtype, precision, chunk),
-    )
+    (a, line_a), (b, line_b) = (_head_run(spec, n * unit, dtype, precision, chunk) for n in (2, 4))
     f = (tokens - 2 * unit) / (2 * unit)
-    return HeadCost(
-        *(
-            round(x + (y - x) * f)
-            for x, y in zip(
-                (a.saved_bytes, a.forward_peak_bytes, a.backward_peak_bytes),
-                (b.saved_bytes, b.forward_peak_bytes, b.backward_peak_bytes),
-                strict=True,
-            )
-        )
-    )
+    ends = ((c.saved_bytes, c.forward_peak_bytes, c.backward_peak_bytes) for c in (a, b))
+    chord = HeadCost(*(round(x + (y - x) * f) for x, y in zip(*ends, strict=True)))
+    if [p for p, _ in line_a] != [p for p, _ in line_b]:
+        return chord  # the chunked head: a different number of chunks at 2 and 4 units
+    # the plain head runs the same operations at every length: each moment's bytes is a line
+    # in the tokens, extrapolated by itself (the peak may move to another moment)
+    peaks = {"head forward": 0, "head backward": 0}
+    for (phase, x), (_, y) in zip(line_a, line_b, strict=True):
+        peaks[phase] = max(peaks[phase], round(x + (y - x) * f))
+    return HeadCost(chord.saved_bytes, peaks["head forward"], peaks["head backward"])
 
 
 def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precision: str) -> HeadFacts | None:
@@ -346,7 +364,7 @@ def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precis
     if small < facts.default_chunk_tokens:
         facts.small_chunk_tokens = small
         facts.small_cost = _at_tokens(spec, tokens, dtype, precision, small, small)
-    facts.weight_grad_bytes = vocab * hidden * 4
+    facts.weight_grad_bytes = vocab * hidden * 4 if spec.head.weight.requires_grad else 0
     return facts
 
 

@@ -194,6 +194,8 @@ class PhaseTracker(MemTracker):
         self._blocks_done = 0
         self._before: weakref.WeakSet[Any] = weakref.WeakSet()
         self.saved_alive: dict[str, int] = {}
+        #: (phase, total) after every tracked operation, when a list (None: not recorded)
+        self.timeline: list[tuple[str, int]] | None = None
 
     def track_external(self, *external: Any) -> None:
         super().track_external(*external)
@@ -212,6 +214,8 @@ class PhaseTracker(MemTracker):
     def enter_phase(self, phase: str) -> None:
         self.phase = phase
         self.phase_peak[phase] = self.total()
+        if self.timeline is not None:
+            self.timeline.append((phase, self.phase_peak[phase]))
         self.phase_snap[phase] = dict(self._curr_mem_snap.get(self.device, {}))
         if phase == "forward":
             self.kept = self._start = self.total()
@@ -305,6 +309,8 @@ class PhaseTracker(MemTracker):
                 self._peak_mem_snap[dev] = dict(dev_snap)
         total = self.total()
         phase = self.phase
+        if self.timeline is not None:
+            self.timeline.append((phase, total))
         if phase in self.phase_peak and total > self.phase_peak[phase]:
             self.phase_peak[phase] = total
             self.phase_snap[phase] = dict(curr.get(self.device, {}))

@@ -20,7 +20,7 @@ class HeadCost(Record):
     forward_peak_bytes: int = 0
     """Highest while the head's forward runs."""
     backward_peak_bytes: int = 0
-    """Highest while the head's backward runs (its weight's gradient included)."""
+    """Highest while the head's backward runs (its weight's gradient included where the head is trained)."""
 
 
 @dataclass

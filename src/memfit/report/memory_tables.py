@@ -168,6 +168,8 @@ def head_table(facts: HeadFacts | None, precision: str = "") -> str | None:
     note = (
         "(chunked_loss keeps the head weight's fp32 gradient, "
         f"{format_bytes(facts.weight_grad_bytes)}, from its forward: the plain head makes it in its backward)"
+        if facts.weight_grad_bytes
+        else "(the head is frozen: neither head makes its weight's gradient)"
     )
     return f"{table}\n{note}"
 
