@@ -140,3 +140,42 @@ def test_cli_refuses_in_one_sentence_with_exit_code_2(
     err = capsys.readouterr().err
     assert "not even a sequence of one token fits" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1 and not out.exists()
+
+
+def test_a_failed_confirmation_searches_again_lower_with_the_probes_it_has(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the real plan at the answer measures over the budget (its twin predicted under),
+    the search looks again against the budget less that excess: one more real plan, not one
+    per token, and no length is probed on fake tensors twice (See Note [confirmed once for
+    real] in memfit/planning/longest_sequence.py). The first real plan is refused here as the
+    planner refuses one measured over."""
+    import memfit.planning.longest_sequence as ls
+    import memfit.planning.planner as planner
+
+    model, batch, opt = _gpt()
+    over = BUDGET // 8
+    asked: list[int] = []
+    real = planner._plan_batch
+
+    def plan_batch(request):  # type: ignore[no-untyped-def]
+        asked.append(sequence_length(request.batch))
+        if len(asked) == 1:
+            raise InfeasibleBudget("the best plan measured over its prediction", BUDGET + over, BUDGET)
+        return real(request)
+
+    probed: list[int] = []
+    probe = ls._probe
+
+    def counted(request, sized, precision, base):  # type: ignore[no-untyped-def]
+        probed.append(sequence_length(sized))
+        return probe(request, sized, precision, base)
+
+    monkeypatch.setattr(planner, "_plan_batch", plan_batch)
+    monkeypatch.setattr(ls, "_probe", counted)
+    plan = memfit.plan(model, batch, gpt_loss, BUDGET, opt, "fp32", maximize="seq_len")
+    print(f"planned for real at {asked}; probed {sorted(probed)}")
+    assert len(asked) == 2 and asked[1] == plan.seq_len < 0.95 * asked[0], asked
+    assert len(probed) == len(set(probed)), probed
+    assert f"the budget less {over:,} B" in plan.notes[-1], plan.notes[-1]
+    assert 0 < plan.measured_peak_bytes <= BUDGET

@@ -35,12 +35,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import replace
 
 import torch
 from torch import nn
 
+from memfit import progress
 from memfit.applying.offload import OFFLOAD
 from memfit.applying.registry import lever, lever_sets, usable_levers, with_levers
 from memfit.budget import format_bytes
@@ -64,6 +66,8 @@ __all__ = ["longest_sequence", "most_saving", "position_limit", "resize_sequence
 PlanAt = Callable[[Batch, int], Plan]
 #: The longest sequence a search considers.
 _LIMIT = 1 << 24
+#: A search that must look again lowers its budget by at least this share of it.
+RETRY_SHARE = 64
 #: Names of position tables (learned absolute position embeddings).
 _POSITION_TABLES = ("wpe", "pos", "position")
 
@@ -224,17 +228,27 @@ class _Search:
     """The probes of one search, each length's verdict kept (See Note [what a probe asks])."""
 
     def __init__(self, request: Request, budget_bytes: int) -> None:
-        self.request, self.budget = request, budget_bytes
+        self.request, self.budget, self.asked = request, budget_bytes, budget_bytes
         self.base = _base_facts(request)
         self.rows = batch_size(request.batch)
         self.verdicts: dict[int, bool] = {}
+        self._profiles: dict[int, dict[str, Profile]] = {}
 
     def profiles(self, n: int) -> dict[str, Profile]:
-        sized = resize_sequence(self.request.batch, n)
-        return {p: _probe(self.request, sized, p, self.base) for p in self.request.precisions}
+        if n not in self._profiles:
+            sized, r = resize_sequence(self.request.batch, n), self.request
+            self._profiles[n] = {p: _probe(r, sized, p, self.base) for p in r.precisions}
+        return self._profiles[n]
+
+    def lower(self, by: int) -> None:
+        """Search again for ``by`` bytes less (See Note [confirmed once for real]); the probes'
+        profiles are kept, their verdicts asked again."""
+        self.budget -= by
+        self.verdicts.clear()
 
     def fits(self, n: int) -> bool:
         if n not in self.verdicts:
+            started = time.perf_counter()
             try:
                 self.verdicts[n] = any(
                     _fits(prof, offloads, self.budget, k)
@@ -243,6 +257,8 @@ class _Search:
                 )
             except torch.OutOfMemoryError:
                 self.verdicts[n] = False
+            verdict = "a plan fits" if self.verdicts[n] else "no plan fits"
+            progress.note(f"{n:,} tokens: {verdict} ({time.perf_counter() - started:.0f} s)")
         return self.verdicts[n]
 
     def least(self, n: int) -> int:
@@ -293,12 +309,15 @@ def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
     while True:
         lo, hi = _bracket(search.fits, lo, hi)
         if lo < 1:
-            _refuse(search, budget_bytes)
+            _refuse(search, search.budget)
         result = _confirmed(plan_at, request.batch, budget_bytes, lo)
-        if result is not None:
+        if isinstance(result, Plan):
             break
-        hi = lo  # See Note [confirmed once for real]
-        lo = 0
+        # See Note [confirmed once for real]
+        over = max(result.minimum_bytes - budget_bytes, search.budget // RETRY_SHARE)
+        progress.note(f"{lo:,} tokens: no plan measured within the budget; searching again {over:,} B lower")
+        search.lower(over)
+        lo, hi = 0, lo
     return _answer(result, search, lo, hi, limit)
 
 
@@ -306,7 +325,12 @@ def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
 # The answer is planned by memfit.plan's own planner at that length: real steps where they fit
 # the device (on a fake twin where not), the plan chosen and measured under its checked loop.
 # Where the planner finds no plan there after all (the fake twin's kernels are not the
-# device's), the search starts again below that length with the probes it has.
+# device's, or the best plan measured over its prediction), the search starts again below
+# that length against a budget lowered by what the real step needed beyond the budget (the
+# planner's smallest measured step, at least 1/RETRY_SHARE of the budget): one token lower
+# would almost always fail the same way, and each try costs a real plan. The probes' profiles
+# are kept, so the new bisection runs no fake step twice; the plan is still made and measured
+# against the budget the user gave.
 
 
 # Note [real steps within the budget]
@@ -322,11 +346,13 @@ def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
 # alone and the plan's check run as always.
 
 
-def _confirmed(plan_at: PlanAt, batch: Batch, budget_bytes: int, n: int) -> Plan | None:
+def _confirmed(plan_at: PlanAt, batch: Batch, budget_bytes: int, n: int) -> Plan | InfeasibleBudget:
     try:
         return plan_at(resize_sequence(batch, n), budget_bytes)
-    except (InfeasibleBudget, torch.OutOfMemoryError):
-        return None
+    except InfeasibleBudget as exc:
+        return exc
+    except torch.OutOfMemoryError:
+        return InfeasibleBudget(f"{n:,} tokens ran out of memory", budget_bytes, budget_bytes)
 
 
 def _budget_bytes(request: Request) -> int:
@@ -359,9 +385,15 @@ def _answer(result: Plan, search: _Search, n: int, above: int, limit: tuple[int,
     if limit is not None and above > limit[0]:
         notes.append(f"longest sequence: {n:,} tokens, as long as the model takes ({limit[1]})")
     elif not search.verdicts.get(above, True):
+        lowered = (
+            f" (the budget less {search.asked - search.budget:,} B, what a longer step measured beyond "
+            "its prediction)"
+            if search.budget < search.asked
+            else ""
+        )
         notes.append(
             f"longest sequence: {n:,} tokens; {above:,} tokens need at least {search.least(above):,} B "
-            f"(predicted on fake tensors), over the budget of {search.budget:,} B"
+            f"(predicted on fake tensors), over the budget of {search.budget:,} B{lowered}"
         )
     else:
         notes.append(f"longest sequence: {n:,} tokens; {above:,} tokens were measured over the budget")
