@@ -309,7 +309,7 @@ def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
     while True:
         lo, hi = _bracket(search.fits, lo, hi)
         if lo < 1:
-            _refuse(search, search.budget)
+            _refuse(search)
         result = _confirmed(plan_at, request.batch, budget_bytes, lo)
         if isinstance(result, Plan):
             break
@@ -370,13 +370,17 @@ def _budget_bytes(request: Request) -> int:
     return request.budget_bytes(peak)
 
 
-def _refuse(search: _Search, budget_bytes: int) -> None:
+def _refuse(search: _Search) -> None:
     least = search.least(1)
+    lowered = search.asked - search.budget
+    less = (
+        f" less the {format_bytes(lowered)} a longer step measured beyond its prediction" if lowered else ""
+    )
     raise InfeasibleBudget(
-        f"not even a sequence of one token fits the budget of {format_bytes(budget_bytes)}: its smallest "
-        f"predicted step is {format_bytes(least)}; raise the budget.",
+        f"not even a sequence of one token fits the budget of {format_bytes(search.asked)}{less}: its "
+        f"smallest predicted step is {format_bytes(least)}; raise the budget.",
         minimum_bytes=least,
-        budget_bytes=budget_bytes,
+        budget_bytes=search.asked,
     )
 
 
