@@ -72,12 +72,16 @@ typecheck: $(STAMP)
 XDIST ?= 2
 XDIST_ARGS := $(if $(filter 0,$(XDIST)),,-n $(XDIST) --dist loadfile)
 
+# Tests marked busy load every core themselves (two spinning processes) and ask that the plans
+# repeat under that load, not under a second test worker's too: they run alone, after the rest.
 unit: $(STAMP)
-	$(BIN)/pytest -q $(XDIST_ARGS) $(PYTEST_ARGS)
+	$(BIN)/pytest -q $(XDIST_ARGS) -m "not busy" $(PYTEST_ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -m busy $(PYTEST_ARGS)
 
 # The tests that need the extras; in .venv (without them) they are skipped with a reason.
 extras: $(EXTRAS_STAMP)
-	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(XDIST_ARGS) $(EXTRAS_TESTS)
+	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider $(XDIST_ARGS) -m "not busy" $(EXTRAS_TESTS)
+	HF_HUB_OFFLINE=1 $(EXTRAS_VENV)/bin/pytest -q -p no:cacheprovider -m busy $(EXTRAS_TESTS)
 
 # The newest-stack suite; its FutureWarnings are shown, none filtered (pyproject.toml fails memfit's own).
 newest: $(NEWEST_STAMP)

@@ -15,6 +15,9 @@ from conftest import tiny_gpt, token_batch
 import memfit
 from memfit.models.gpt import gpt_loss
 
+# the load is the test's own: two spinning processes for two cores, nothing else beside them
+pytestmark = pytest.mark.busy
+
 
 # 70%: every block fully checkpointed ties a segment that saves a checkpoint call (a price
 # a loaded machine inflates); 85%: PyTorch's "every 2nd block" ties a segment of two.

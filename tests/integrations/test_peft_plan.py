@@ -61,6 +61,7 @@ def test_three_identical_plan_calls_give_one_plan() -> None:
 # Three decoder layers: at 70% the last layer kept or every layer checkpointed, at 95% the
 # first layer fully checkpointed or the second selectively; under load, ties by time alone
 # picked either, call by call (See Note [plans repeat] in memfit/planning/choose.py).
+@pytest.mark.busy
 @pytest.mark.parametrize("budget", ["70%", "95%"])
 def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
     model, x = _lora_llama(n_layer=3), _batch()
