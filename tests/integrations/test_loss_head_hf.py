@@ -155,12 +155,6 @@ def _measured(
     return watch.peak_bytes
 
 
-def memfit_blocks(model: nn.Module) -> list[str]:
-    import memfit
-
-    return memfit.find_blocks(model)
-
-
 def _head_profile(
     model: nn.Module,
     batch: tuple[torch.Tensor, torch.Tensor],
@@ -210,6 +204,7 @@ def test_chunked_head_in_bf16_on_a_lora_model_predicted_to_the_percent() -> None
     alone does the same, so the chunked head's step is predicted within 1% (it was 1.8x and
     3.3x over at 128k vocabulary before), without checkpointing and fully checkpointed."""
     peft = pytest.importorskip("peft")
+    import memfit
     from memfit.applying import with_levers
     from memfit.stepmodel import simulate
 
@@ -218,7 +213,7 @@ def test_chunked_head_in_bf16_on_a_lora_model_predicted_to_the_percent() -> None
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     profile = _head_profile(model, batch, opt, "bf16")
     assert profile.lever_facts.head.weight_grad_bytes == 0  # the head is frozen
-    blocks = memfit_blocks(model)
+    blocks = memfit.find_blocks(model)
     for mode in ("none", "full"):
         plan = Plan(
             blocks={b: mode for b in blocks} if mode == "full" else {},
