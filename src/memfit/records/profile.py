@@ -24,7 +24,8 @@ class BlockStats(Record):
     - ``saved_bytes[m]``: bytes the block's forward created that are still alive when the
       whole forward ends: what it keeps until its backward (for ``full``: its input; for
       ``selective``: also matmul/attention/conv outputs; for ``none``: everything autograd
-      saves). Its output counts here when the next block keeps it.
+      saves). Its output counts here when the next block keeps it. The first block's also
+      counts ``stem_saved_bytes[m]``.
     - ``held_bytes[m]``: total when its forward returns minus total when it starts: the
       saved bytes plus what it holds only until the forward ends (autocast's cached weight
       casts, for example).
@@ -92,6 +93,12 @@ class BlockStats(Record):
     after_grad_bytes: int = 0
     """Bytes of the parameter gradients that code creates in its backward, which runs between
     the next block's backward and this one's."""
+    stem_saved_bytes: dict[str, int] = field(default_factory=dict)
+    """Of ``saved_bytes[m]``, the stem's tensors (its output, the ids and mask every block
+    takes) alive at the forward's end in mode ``m`` and not in the plain step: kept by the
+    checkpoints, counted with the first block's (See Note [stem tensors a checkpoint holds]
+    in :mod:`memfit.measuring.phases`); not in ``held_bytes`` (the forward counts them as
+    the stem's)."""
 
 
 @dataclass
@@ -210,9 +217,11 @@ class Profile(Record):
     outside_before_bytes: int = 0
     """What the outside part holds when the first block starts (embedding output, input);
     kept until the embeddings' backward, after every block's backward."""
-    outside_before_kept_bytes: int = 0
+    outside_before_kept_bytes: int = -1
     """What the outside keeps for backward from before the blocks (embedding output, the
-    input): alive when the forward ends and freed only after every block's backward."""
+    input) in the plain step: alive when the forward ends and freed only after every block's
+    backward. 0 where nothing is (a frozen embedding); -1: not measured, taken as
+    ``outside_before_bytes``."""
     early_grad_bytes: int = 0
     """Parameter gradients that exist when the last block's backward starts (final norm,
     head); tied weights accumulate later."""

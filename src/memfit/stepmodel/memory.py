@@ -95,6 +95,18 @@ def _grad(block: BlockStats) -> int:
     return block.grad_bytes or block.param_bytes
 
 
+def _kept_before(profile: Profile) -> int:
+    """What the stem keeps to the blocks' backward in the plain step (not measured: all it made)."""
+    kept = profile.outside_before_kept_bytes
+    return kept if kept >= 0 else profile.outside_before_bytes
+
+
+def _made(block: BlockStats, mode: str) -> int:
+    """What the block's own forward saves in ``mode`` (the stem's tensors its checkpoint keeps
+    aside: See Note [stem tensors a checkpoint holds] in memfit.measuring.phases)."""
+    return block.saved_bytes[mode] - block.stem_saved_bytes.get(mode, 0)
+
+
 class _Blocks:
     """Per-block numbers at one micro-batch scale, and each option's bytes at each moment."""
 
@@ -110,7 +122,7 @@ class _Blocks:
         # shrinks with the micro-batch like the rest.
         casts = profile.precision in MIXED_PRECISIONS
         cache = [
-            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.saved_bytes[m]) if casts else 0 for m in o}
+            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - _made(b, m)) if casts else 0 for m in o}
             for b, o in pairs
         ]
         self.held = [
@@ -255,7 +267,7 @@ def _walk(profile: Profile, micro_batches: int, opts: list[Option]) -> _Walk:
         state={"params": profile.param_bytes, "optimizer": profile.optimizer_bytes},
         whole=whole,
         before=_scaled(profile.outside_before_bytes, s),
-        kept_before=_scaled(profile.outside_before_kept_bytes or profile.outside_before_bytes, s),
+        kept_before=_scaled(_kept_before(profile), s),
         early=early,
         block_grads=block_grads,
         outside_grads=outside_grads,
