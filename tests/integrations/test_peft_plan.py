@@ -75,6 +75,31 @@ def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
     assert all(p.predicted_peak_bytes <= p.budget_bytes for p in plans)
 
 
+@pytest.mark.parametrize("modes", [("full", "full"), ("full", "none"), ("none", "none")], ids="-".join)
+def test_a_checkpoint_keeping_the_frozen_embeddings_and_position_ids_is_predicted_to_the_byte(
+    modes: tuple[str, ...],
+) -> None:
+    """A fully checkpointed first layer keeps the embeddings' output and the position ids that
+    the plain LoRA step frees (See Note [stem tensors a checkpoint holds] in
+    memfit/measuring/phases.py): the step model counts them (it was 8 bytes x (hidden + 1)
+    per token under before)."""
+    from memfit.checkpointing import set_block_modes, uncheckpoint
+    from memfit.stepmodel import simulate
+
+    model = _lora_llama(n_layer=2, dropout=0.0)
+    x = torch.randint(0, VOCAB, (1, 128), generator=torch.Generator().manual_seed(0))
+    prof = memfit.profile(model, x, _loss, _adamw(model), repeats=1)
+    first = prof.blocks[0]
+    assert first.stem_saved_bytes.get("full", 0) == 128 * (64 * 4 + 8)  # embeddings' output, ids
+    plan = dict(zip([b.name for b in prof.blocks], modes, strict=True))
+    set_block_modes(model, plan)
+    try:
+        measured = memfit.measure(model, x, _loss, _adamw(model), steps=1).peak_bytes
+    finally:
+        uncheckpoint(model)
+    assert simulate(prof, plan).peak_bytes == measured
+
+
 def test_pytorchs_memtracker_refuses_frozen_weights_and_memfit_measure_checks_the_plan() -> None:
     """docs/lora.md: what differs between MemTracker and memfit.measure on an adapter model."""
     from torch.distributed._tools.mem_tracker import MemTracker
