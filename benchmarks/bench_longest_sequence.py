@@ -16,8 +16,12 @@ forward and backward (checkpointing, ``tiled_mlp``, ``chunked_loss``; the optimi
 change only its step and have tests of their own) against the plain step, loss and every
 gradient within ``EXACT``.
 
+Last, the answer's plan against the plain step at ``--also-at`` lengths (where the plain step
+runs; interleaved rounds). ``--plan-json FILE`` (a ``PLAN`` line saved) times a known answer so,
+without planning.
+
 Run: ``HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_longest_sequence.py [--lora]``
-(prints one ``RESULT {json}`` line).
+(prints ``MEASURED``, ``PLAN`` and ``RESULT {json}`` lines).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -129,6 +134,43 @@ def _timings(
     return out
 
 
+def _at_lengths(
+    reference: torch.nn.Module, plan: Plan, lengths: list[int], rounds: int
+) -> list[dict[str, Any]]:
+    """The plan (as chosen for its own length) against the plain step at each of ``lengths``
+    where both run: ``rounds`` interleaved rounds after one each to warm up, medians."""
+    out = []
+    for seq in lengths:
+        x = _tokens(seq)
+        plain = copy.deepcopy(reference)
+        plain_opt = torch.optim.AdamW(_trainable(plain), lr=1e-4)
+        planned = copy.deepcopy(reference)
+        planned, opt = memfit.prepare(planned, torch.optim.AdamW(_trainable(planned), lr=1e-4), plan)
+        steps = {
+            "plain": _hf_step(plain, plain_opt, x),
+            "planned": functools.partial(memfit.train_step, planned, x, _loss, opt, plan),
+        }
+        times: dict[str, list[float]] = {k: [] for k in steps}
+        for step in steps.values():
+            step()
+        for _ in range(rounds):
+            for name, step in steps.items():
+                started = time.perf_counter()
+                step()
+                times[name].append(time.perf_counter() - started)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        out.append(
+            {
+                "seq": seq,
+                "plain_s": med["plain"],
+                "planned_s": med["planned"],
+                "ratio": med["planned"] / med["plain"],
+            }
+        )
+        print("AT " + json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lora", action="store_true")
@@ -136,6 +178,10 @@ def main() -> None:
     parser.add_argument("--hf-seq", type=int, default=768, help="Hugging Face's longest steady-state step")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per variant (after one warm-up)")
     parser.add_argument("--seq", type=int, help="plan this length (no search): to time a known answer again")
+    parser.add_argument(
+        "--also-at", default="768,4096", help="lengths to time the answer's plan against plain"
+    )
+    parser.add_argument("--plan-json", help="a plan saved by an earlier run: time it at --also-at only")
     args = parser.parse_args()
     progress.configure(quiet=False)  # the search's phases on stderr, in a log too
     torch.set_num_threads(1)
@@ -143,6 +189,10 @@ def main() -> None:
     if args.lora:
         model = _lora(model)
     reference = copy.deepcopy(model)
+    also_at = [int(n) for n in args.also_at.split(",") if n]
+    if args.plan_json:
+        _at_lengths(reference, Plan.from_json(Path(args.plan_json).read_text()), also_at, args.steps + 2)
+        return
     opt = torch.optim.AdamW(_trainable(model), lr=1e-4)
     started = time.perf_counter()
     if args.seq:  # one length, planned as memfit.plan plans it (no search)
@@ -167,6 +217,9 @@ def main() -> None:
     print("MEASURED " + json.dumps(out), flush=True)
     out["exact_tolerance_used"] = _exact(reference, plan, args.hf_seq)
     out.update(_timings(model, reference, plan, x, opt, args.hf_seq, args.steps))
+    print("PLAN " + plan.to_json(indent=None), flush=True)
+    print("RESULT " + json.dumps(out), flush=True)
+    out["at"] = _at_lengths(reference, plan, also_at, args.steps + 2)
     print("RESULT " + json.dumps(out), flush=True)
 
 
