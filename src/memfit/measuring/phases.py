@@ -95,6 +95,8 @@ class StepMemory:
     outside_before_kept: int = 0
     """Bytes alive when the forward ends that were not created by a block nor by the outside
     after the last block (embedding outputs, the input batch)."""
+    stem_kept: int = 0
+    """Of it, what the stem made before the first block started (the rest: code between blocks)."""
     outside_forward_before_peak: int = 0
     """Highest (total - start) in the forward before the first block (stem, embeddings)."""
     outside_backward_before_peak: int = 0
@@ -271,6 +273,7 @@ def _step_memory(
         - marks.start
         - sum(saved.values())
         - tracker.saved_alive.get(OUTSIDE_AFTER, 0),
+        stem_kept=tracker.stem_alive,
     )
 
 
@@ -293,13 +296,17 @@ def param_bytes(module: nn.Module) -> int:
 # by as much (else counted twice). Exact for plans that checkpoint the first block; a plan
 # that runs it plain and checkpoints a later one is under by the ids and mask (not the
 # embeddings' output): bytes per token, unless the model builds a tokens x tokens mask, and
-# the planner's measurement of its plan names such a gap.
+# the planner's measurement of its plan names such a gap. Only what the stem made before the
+# first block counts so: outside code between blocks (DenseNet's transitions) is held by the
+# checkpoints of the blocks after it, not the first one's, and stays as it was measured.
 
 
 def _held_by_checkpoints(base: StepMemory, mem: StepMemory) -> int:
     """The stem's bytes alive at the forward's end in ``mem``'s mode beyond the plain step's
     (See Note [stem tensors a checkpoint holds])."""
-    return max(0, mem.outside_before_kept - base.outside_before_kept) if mem is not base else 0
+    if mem is base:
+        return 0
+    return max(0, min(mem.outside_before_kept - base.outside_before_kept, mem.stem_kept - base.stem_kept))
 
 
 def profile_from_memory(

@@ -193,7 +193,10 @@ class PhaseTracker(MemTracker):
         self._owner: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._blocks_done = 0
         self._before: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._stem: weakref.WeakSet[Any] = weakref.WeakSet()  # made before the first block ran
         self.saved_alive: dict[str, int] = {}
+        self.stem_alive = 0
+        """Bytes the stem made before the first block started, alive when the forward ends."""
         #: (phase, total) after every tracked operation, when a list (None: not recorded)
         self.timeline: list[tuple[str, int]] | None = None
 
@@ -269,6 +272,8 @@ class PhaseTracker(MemTracker):
             if winfo is not None and winfo not in self._owner and winfo not in self._before:
                 self._owner[winfo] = owner
                 self.allocated[owner] = self.allocated.get(owner, 0) + int(winfo.mem_consumed)
+                if owner == OUTSIDE_BEFORE and not self._blocks_done:
+                    self._stem.add(winfo)
 
     def close_forward(self) -> None:
         """At the end of the forward: what each part keeps; backward bookkeeping starts from it."""
@@ -276,6 +281,7 @@ class PhaseTracker(MemTracker):
         for winfo, owner in list(self._owner.items()):
             alive[owner] = alive.get(owner, 0) + int(winfo.mem_consumed)
         self.saved_alive = alive
+        self.stem_alive = sum(int(w.mem_consumed) for w in self._stem if w in self._owner)
         for name, winfos in self._outputs.items():
             # the output's storages still tracked at the forward's end (kept by their consumer)
             live = [w for w in (ref() for ref in winfos) if w is not None and w in self._owner]
