@@ -126,7 +126,7 @@ def _without_casts(block: BlockStats) -> None:
     holds to the forward's end beyond what it saves (Note [held and saved bytes] in
     :mod:`memfit.stepmodel.memory`), made in its forward, so out of its forward peak too."""
     for mode, held in block.held_bytes.items():
-        saved = block.saved_bytes.get(mode, held) - block.stem_saved_bytes.get(mode, 0)
+        saved = block.own_saved_bytes(mode) if mode in block.saved_bytes else held
         cache = max(0, held - saved)
         block.held_bytes[mode] = held - cache
         if mode in block.forward_peak_bytes:

@@ -100,6 +100,11 @@ class BlockStats(Record):
     in :mod:`memfit.measuring.phases`); not in ``held_bytes`` (the forward counts them as
     the stem's)."""
 
+    def own_saved_bytes(self, mode: str) -> int:
+        """``saved_bytes[mode]`` less ``stem_saved_bytes[mode]``: what its own forward made and
+        keeps (See Note [stem tensors a checkpoint holds] in :mod:`memfit.measuring.phases`)."""
+        return self.saved_bytes[mode] - self.stem_saved_bytes.get(mode, 0)
+
 
 @dataclass
 class Speed(Record):

@@ -101,12 +101,6 @@ def _kept_before(profile: Profile) -> int:
     return kept if kept >= 0 else profile.outside_before_bytes
 
 
-def _made(block: BlockStats, mode: str) -> int:
-    """What the block's own forward saves in ``mode`` (the stem's tensors its checkpoint keeps
-    aside: See Note [stem tensors a checkpoint holds] in memfit.measuring.phases)."""
-    return block.saved_bytes[mode] - block.stem_saved_bytes.get(mode, 0)
-
-
 class _Blocks:
     """Per-block numbers at one micro-batch scale, and each option's bytes at each moment."""
 
@@ -122,7 +116,10 @@ class _Blocks:
         # shrinks with the micro-batch like the rest.
         casts = profile.precision in MIXED_PRECISIONS
         cache = [
-            {m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - _made(b, m)) if casts else 0 for m in o}
+            {
+                m: max(0, b.held_bytes.get(m, b.saved_bytes[m]) - b.own_saved_bytes(m)) if casts else 0
+                for m in o
+            }
             for b, o in pairs
         ]
         self.held = [
