@@ -299,15 +299,18 @@ def block_times(
         return {}, f"{type(exc).__name__}: {exc}"
 
 
-def describe_timing(mode: str, micro_batches: int) -> str:
-    """How whole steps were timed, for the profile's report ("" : the plain step).
+def describe_timing(mode: str, micro_batches: int, lever: str = "") -> str:
+    """How whole steps were timed, for the profile's report ("" : the plain step); ``lever``
+    describes the lever they ran with ("": none).
 
     Example:
         >>> describe_timing("none", 4)
         ' without checkpointing in 4 micro-batches (the plain step does not fit)'
+        >>> describe_timing("full", 1, "the head in chunks")
+        ' with every block fully checkpointed, the head in chunks (the plain step does not fit)'
     """
-    if (mode, micro_batches) == ("none", 1):
+    if (mode, micro_batches, lever) == ("none", 1, ""):
         return ""
     parts = f" in {micro_batches} micro-batches" if micro_batches > 1 else ""
     how = "without checkpointing" if mode == "none" else "with every block fully checkpointed"
-    return f" {how}{parts} (the plain step does not fit)"
+    return f" {how}{parts}{', ' + lever if lever else ''} (the plain step does not fit)"

@@ -260,6 +260,19 @@ class TimedSteps(NamedTuple):
     mode: str
     micro_batches: int
     described: str
+    moved_flops: float = 0.0
+    """Backward work the lever they were timed with ran in the forward (See Note [timing with
+    a lever] in memfit/measuring/profile.py): moved back before the fit."""
+
+
+def _moved_back(prof: Profile, steps: TimedSteps, fwd: float, bwd: float) -> tuple[float, float]:
+    """``fwd`` and ``bwd`` with the seconds of ``steps.moved_flops`` moved back from the forward
+    to the backward (a share of the forward by counted work)."""
+    if steps.moved_flops <= 0:
+        return fwd, bwd
+    counted = sum(p.forward_flops for p in [*prof.blocks, prof.outside])
+    moved = fwd * steps.moved_flops / (counted + steps.moved_flops)
+    return fwd - moved, bwd + moved
 
 
 def _as_plain(
@@ -290,7 +303,7 @@ def fit_time_model(
     depend on each other (a step timed in micro-batches or checkpointed is turned into the
     plain one by them), so the fit is made twice.
     """
-    fwd, bwd = (statistics.median(t[k] for t in steps.times) for k in range(2))
+    fwd, bwd = _moved_back(prof, steps, *(statistics.median(t[k] for t in steps.times) for k in range(2)))
     step = plain = (fwd, bwd, prof.step_seconds)
     prof.speed = speed  # the raw prices: what the counted work is worth before scaling
     work = sum(forward_work(prof, b) for b in [*prof.blocks, prof.outside]) or 1.0

@@ -38,6 +38,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -86,7 +87,23 @@ BLOCK_ROUNDS = 8
 _Optimizer = torch.optim.Optimizer
 _Context = AbstractContextManager[Any]
 
-__all__ = ["BLOCK_ROUNDS", "Profiler", "profile"]
+__all__ = ["BLOCK_ROUNDS", "Profiler", "TimingLever", "profile"]
+
+
+@dataclass(frozen=True)
+class TimingLever:
+    """A lever whole steps may be timed with where no step without it fits (See Note [timing
+    with a lever]); the planner makes it (:mod:`memfit.planning.measure`)."""
+
+    name: str
+    described: str
+    """What it does, for the profile's notes ("the loss head in chunks of 262 tokens")."""
+    predict: Callable[[Profile], Profile]
+    """A profile without the lever -> the step with it."""
+    applied: Callable[[], AbstractContextManager[Any]]
+    """The lever on the model while a step is timed, taken off after."""
+    moved_flops: float = 0.0
+    """Backward work it runs in the forward instead."""
 
 
 class Profiler:
@@ -138,8 +155,14 @@ class Profiler:
         is planned): the plain step over it is measured on the twin, and whole steps are
         timed in the cheapest configuration under it, else under the room
         (See Note [real steps within the budget] in memfit/planning/longest_sequence.py)."""
-        self.failed: set[tuple[CheckpointMode, int]] = set()
-        """Timing configurations that ran out of memory."""
+        self.failed: set[tuple[CheckpointMode, int, str]] = set()
+        """Timing configurations (mode, micro-batches, lever) that ran out of memory."""
+        self.lean: Callable[[], TimingLever | None] | None = None
+        """Makes the lever whole steps may be timed with where none without it fits within
+        ``within`` (None: none may be; See Note [timing with a lever])."""
+        self.timed_with: TimingLever | None = None
+        """The lever the whole steps were timed with (None: none)."""
+        self._lean: list[TimingLever | None] = []
 
     def _phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
         return progress.phase(f"{self.precision.mode}: {what}", total)
@@ -228,7 +251,7 @@ class Profiler:
                 if self.estimate is None:
                     raise OutOfMemory(self._full_message(exc)) from None
                 uncheckpoint(self.model)
-                self.failed.add(("none", 1))
+                self.failed.add(("none", 1, ""))
                 self.measured.append(
                     "the step without checkpointing ran out of memory: measured under fake tensors"
                 )
@@ -335,24 +358,33 @@ class Profiler:
 
     def _timing_config(self) -> tuple[CheckpointMode, int]:
         """The (mode, micro-batches) whole steps are timed in: the plain step where it fits,
-        else split into the fewest micro-batches that fit, else fully checkpointed.
+        else split into the fewest micro-batches that fit, else fully checkpointed; sets
+        :attr:`timed_with` to the lever they are timed with (None: none).
 
-        See Note [timing a step that does not fit].
+        See Note [timing a step that does not fit] and Note [timing with a lever].
         """
-        if ("none", 1) not in self.failed and (not self.fake or (self.room is None and self.within is None)):
+        self.timed_with = None
+        if ("none", 1, "") not in self.failed and (
+            not self.fake or (self.room is None and self.within is None)
+        ):
             return "none", 1
         if "full" not in self.memory and self.blocks:
             self.modes([m for m in CHECKPOINT_MODES if m != "none"])
         prof = self._memory_profile()
         start, rows = self.memory["none"].start, batch_size(self.batch)
         room = self.room
-        limits: list[Callable[[int], bool]] = [lambda peak: room is None or room.fits(peak - start)]
+        in_room: Callable[[int], bool] = lambda peak: room is None or room.fits(peak - start)  # noqa: E731
+        tries: list[tuple[Callable[[int], bool], TimingLever | None]] = [(in_room, None)]
         if self.within is not None:  # See Note [real steps within the budget]
             within = self.within
-            limits.insert(0, lambda peak: peak <= within)
-        for fits in limits:
-            found = self._fewest_parts(prof, rows, fits)
+            lean = self._lean_lever()
+            tries = [(lambda peak: peak <= within, None)]
+            tries += [(lambda peak: peak <= within, lean), (in_room, lean)] if lean is not None else []
+            tries.append((in_room, None))
+        for fits, lever in tries:
+            found = self._fewest_parts(lever.predict(prof) if lever else prof, rows, fits, lever)
             if found is not None:
+                self.timed_with = lever
                 return found
         least = simulate(prof, "full" if self.blocks else "none", rows).peak_bytes
         free = self.room.free if self.room is not None else 0
@@ -366,21 +398,41 @@ class Profiler:
             budget_bytes=start + free,
         )
 
+    def _lean_lever(self) -> TimingLever | None:
+        """The lever steps may be timed with (made once), or None."""
+        if not self._lean:
+            self._lean.append(self.lean() if self.lean is not None else None)
+        return self._lean[0]
+
     def _fewest_parts(
-        self, prof: Profile, rows: int, fits: Callable[[int], bool]
+        self, prof: Profile, rows: int, fits: Callable[[int], bool], lever: TimingLever | None = None
     ) -> tuple[CheckpointMode, int] | None:
         """The plain step in the fewest micro-batches whose peak ``fits``, else every block fully
         checkpointed in the fewest (None: none fits)."""
         modes: list[CheckpointMode] = (
             [m for m in CHECKPOINT_MODES if m != "selective"] if self.blocks else ["none"]
         )
+        name = lever.name if lever is not None else ""
         for mode in modes:
-            k = 2 if mode == "none" else 1
+            k = 2 if mode == "none" and lever is None else 1
             while k <= rows:
-                if fits(simulate(prof, mode, k).peak_bytes) and (mode, k) not in self.failed:
+                if fits(simulate(prof, mode, k).peak_bytes) and (mode, k, name) not in self.failed:
                     return mode, k
                 k *= 2
         return None
+
+    # Note [timing with a lever]
+    # Where a search's answer is planned (``within`` set), no step without levers may fit the
+    # budget at all: at 40k tokens a small Llama's plain loss head alone is gigabytes of
+    # logits, whatever the blocks do. Timed in the room instead, such a step takes most of the
+    # machine (and was killed for it). So the planner may hand the profiler a lever to time
+    # with (``lean``: the loss head in chunks, when the request allows chunked_loss and the
+    # model's loss goes through its head), tried after every configuration without it has
+    # failed the budget: within the budget with it, then within the room with it, and only
+    # then the room without it. The lever changes no numerics and no counted work; it moves
+    # the head's gradient matmuls from the backward into the forward (``moved_flops``), which
+    # the time fit moves back (memfit/measuring/prices.py), so the seconds stand for the plain
+    # step's, as the time model prices every lever set the same.
 
     # Note [timing a step that does not fit]
     # The time model needs a whole step's forward and backward seconds. Where the plain step
@@ -405,18 +457,19 @@ class Profiler:
         uncheckpoint(self.model)
         if mode != "none":
             set_block_modes(self.model, dict.fromkeys(self.blocks, mode))
-        mark("start")
-        training_step(
-            self.model,
-            self.batch,
-            self.loss_fn,
-            self.optimizer,
-            self.precision,
-            micro_batches,
-            after_forward=lambda: mark("forward"),
-            after_backward=lambda: mark("backward"),
-        )
-        mark("end")
+        with self.timed_with.applied() if self.timed_with is not None else nullcontext():
+            mark("start")
+            training_step(
+                self.model,
+                self.batch,
+                self.loss_fn,
+                self.optimizer,
+                self.precision,
+                micro_batches,
+                after_forward=lambda: mark("forward"),
+                after_backward=lambda: mark("backward"),
+            )
+            mark("end")
         uncheckpoint(self.model)
         forward = (marks["forward"] - marks["start"]) * micro_batches  # the first part's, times the parts
         return forward, marks["backward"] - marks["start"] - forward, marks["end"] - marks["start"]
@@ -432,7 +485,7 @@ class Profiler:
                     capture_block_inputs(self.model, capture)
                     if capture
                     else nullcontext(BlockInputs()) as seen,
-                    self._phase(f"timing whole steps{timing.describe_timing(*self.timing)}", n) as ph,
+                    self._phase(f"timing whole steps{self._described()}", n) as ph,
                     every_layer_runs(self.model),
                 ):
                     return [self._timed(*self.timing) for _ in ph.over(range(n))], seen
@@ -440,11 +493,15 @@ class Profiler:
                 if not is_out_of_memory(exc):
                     raise
                 uncheckpoint(self.model)
-                self.failed.add(self.timing)
+                self.failed.add((*self.timing, self.timed_with.name if self.timed_with else ""))
                 self.measured.append(
-                    f"a step timed{timing.describe_timing(*self.timing) or ' without checkpointing'} ran out "
+                    f"a step timed{self._described() or ' without checkpointing'} ran out "
                     "of memory: timing a smaller one"
                 )
+
+    def _described(self) -> str:
+        lever = self.timed_with.described if self.timed_with is not None else ""
+        return timing.describe_timing(*self.timing, lever)
 
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
@@ -453,7 +510,7 @@ class Profiler:
         with self._phase("micro-benchmarks of the device"):
             self.speed = device_speed(model_device(self.model), self.precision)
         self.measured.append(
-            f"{repeats} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)} and "
+            f"{repeats} timed step(s) at {self.precision.mode}{self._described()} and "
             f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
         )
 
@@ -479,7 +536,7 @@ class Profiler:
             found, why = block_times(
                 self.model, heaviest, seen, modes, rounds, self.precision.autocast, within, fewer
             )
-        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{timing.describe_timing(*self.timing)}"
+        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{self._described()}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
         elif found:
@@ -524,7 +581,8 @@ class Profiler:
         """Scale the counted work to the timed steps and fit the prices to the block timed alone
         (see Note [timing a step that does not fit])."""
         assert self.speed is not None
-        steps = TimedSteps(self.times, *self.timing, timing.describe_timing(*self.timing).strip())
+        moved = self.timed_with.moved_flops if self.timed_with is not None else 0.0
+        steps = TimedSteps(self.times, *self.timing, self._described().strip(), moved)
         fit_time_model(prof, self.speed, steps, self.timed_block, self.block_times)
 
     def notes(self) -> list[str]:

@@ -20,19 +20,25 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from functools import partial
 
+from memfit.applying.chunked_loss import CHUNKED_LOSS
+from memfit.applying.registry import with_levers
 from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget
+from memfit.levers.head import chunked_head_of, install_chunked_head, remove_chunked_head
+from memfit.measuring.lever_facts import head_facts
 from memfit.measuring.preserve import create_optimizer_state
-from memfit.measuring.profile import Profiler
+from memfit.measuring.profile import Profiler, TimingLever
 from memfit.planning.budgets import fixed_bytes
 from memfit.planning.choose import TIE, fixed_bytes_message, plan_from_profiles
 from memfit.planning.notes import complete_profile
 from memfit.planning.request import Request
 from memfit.precision import Precision
-from memfit.records import Profile
+from memfit.records import LeverFacts, Profile
 from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
@@ -101,10 +107,40 @@ def _profilers(request: Request) -> tuple[dict[str, Profiler], Profiler]:
         r = request
         prof = Profiler(r.model, r.batch, r.loss_fn, r.optimizer, precision, blocks=r.blocks)
         prof.within = r.steps_within
+        if CHUNKED_LOSS.name in r.levers:  # See Note [timing with a lever] in memfit/measuring/profile.py
+            prof.lean = partial(_chunked_head, r, p)
         return prof
 
     profilers: dict[str, Profiler] = {p: profiler(p) for p in request.precisions}
     return profilers, profilers.get("fp32") or profiler("fp32")
+
+
+def _chunked_head(request: Request, precision: str) -> TimingLever | None:
+    """The loss head in chunks, to time steps with (None: the lever cannot run on this step)."""
+    model = request.model
+    facts = head_facts(model, request.batch, request.loss_fn, precision)
+    if facts is None or facts.refused:
+        return None
+
+    def predict(prof: Profile) -> Profile:
+        return with_levers(replace(prof, lever_facts=LeverFacts(head=facts)), [CHUNKED_LOSS.name])
+
+    @contextmanager
+    def applied() -> Iterator[None]:
+        before = chunked_head_of(model)
+        install_chunked_head(model)
+        try:
+            yield
+        finally:
+            remove_chunked_head(model)
+            if before is not None:
+                install_chunked_head(model, before)
+
+    # the head's gradient matmuls (input, and weight where it trains) run in its forward
+    matmul = 2.0 * facts.tokens * facts.hidden * facts.vocab
+    moved = matmul * (2 if facts.weight_grad_bytes else 1)
+    what = f"the loss head in chunks of {facts.chunk_tokens:,} tokens"
+    return TimingLever(CHUNKED_LOSS.name, what, predict, applied, moved)
 
 
 def _profiles(request: Request, complete: bool) -> Measured:
