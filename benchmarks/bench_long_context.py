@@ -18,8 +18,10 @@ a first length (``--hf-from``, ``--plan-from``: the lengths found before) by one
 grains until a length does not fit (down likewise where the first does not fit), then bisects.
 
 Run (memory only; the timings are the lead's, on a quiet machine):
-``HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_long_context.py [--only hf|plan]``;
-one probe: ``... --probe plan --seq 13824`` (prints one ``RESULT {json}`` line).
+``HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_long_context.py [--only hf|plan] [--lora]``;
+one probe: ``... --probe plan --seq 13824`` (prints one ``RESULT {json}`` line). ``--src DIR``
+probes another checkout's memfit (``git worktree add /tmp/old <commit>``; ``--src /tmp/old/src``):
+the planner as it was before a change.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -43,6 +46,7 @@ import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
 BUDGET = 512 * 2**20
+_NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 GRAIN = 128
 #: Bytes a probe may allocate beyond its warm-up step. memfit.plan times whole steps on the
 #: real model (fully checkpointed, without levers, where the plain step does not fit the room)
@@ -65,6 +69,14 @@ def _model() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg).train()
 
 
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in a peft LoRA adapter: r=16 on the attention and MLP projections."""
+    import peft
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
+
+
 def _loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(input_ids=x, labels=x).loss
 
@@ -79,6 +91,10 @@ def _tracked(
     """MemTracker's peak (and its split) around one call of ``step``; its loss."""
     tracker = MemTracker()
     tracker.track_external(model, opt)
+    # MemTracker hooks every parameter's gradient, which PyTorch refuses for a frozen one (a
+    # LoRA base): marked as hooked already, they are still counted as parameters.
+    for p in (p for p in model.parameters() if not p.requires_grad):
+        tracker._param_to_grad_hook_handles[p] = (_NO_HOOK, _NO_HOOK)
     with tracker:
         loss = float(step())
     peak = tracker.get_tracker_snapshot("peak")
@@ -97,9 +113,9 @@ def _hf_step(model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor
     return step
 
 
-def _probe(kind: str, seq: int, room: int) -> dict[str, Any]:
+def _probe(kind: str, seq: int, room: int, lora: bool) -> dict[str, Any]:
     """One length, in this process (the caller's subprocess), its address space limited to what
-    it uses after a warm-up step plus ``room`` bytes."""
+    it uses after a warm-up step plus ``room`` bytes (``lora``: the model in a LoRA adapter)."""
     sys.path.insert(0, str(_ROOT / "tests"))
     from rlimit import limit_address_space
 
@@ -107,8 +123,8 @@ def _probe(kind: str, seq: int, room: int) -> dict[str, Any]:
     from memfit.errors import MemfitError, is_out_of_memory
 
     torch.set_num_threads(1)
-    model = _model()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model = _lora(_model()) if lora else _model()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     if kind == "hf":
         model.gradient_checkpointing_enable()
         _hf_step(model, opt, _tokens(16))()  # the optimizer's state, and what a first step loads
@@ -147,10 +163,11 @@ def _probe(kind: str, seq: int, room: int) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _run(kind: str, seq: int, room: int) -> dict[str, Any]:
+def _run(kind: str, seq: int, room: int, lora: bool, src: Path) -> dict[str, Any]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_ARENA_MAX": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(_ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     cmd = [sys.executable, __file__, "--probe", kind, "--seq", str(seq), "--room", str(room)]
+    cmd += ["--lora"] if lora else []
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     for line in out.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -164,12 +181,14 @@ def _fits(result: dict[str, Any]) -> bool:
     return "error" not in result and result["peak"] <= BUDGET
 
 
-def _search(kind: str, start: int, room: int) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
+def _search(
+    kind: str, start: int, room: int, lora: bool, src: Path
+) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
     """The longest fitting length (a multiple of GRAIN) and every probe, in order."""
     probes: list[dict[str, Any]] = []
 
     def probe(seq: int) -> bool:
-        result = _run(kind, seq, room)
+        result = _run(kind, seq, room, lora, src)
         probes.append(result)
         shown = f"peak {result['peak']:,} B" if "peak" in result else result["error"][:120]
         print(
@@ -200,18 +219,24 @@ def main() -> None:
     parser.add_argument("--room", type=int, help="bytes a probe may allocate (default: see ROOM)")
     parser.add_argument("--hf-from", type=int, default=768, help="the hf search's first length")
     parser.add_argument("--plan-from", type=int, default=13824, help="the plan search's first length")
+    parser.add_argument("--lora", action="store_true", help="the model in a peft LoRA adapter (r=16)")
+    parser.add_argument(
+        "--src", type=Path, default=_ROOT / "src", help="the memfit source probes import (an older one)"
+    )
     args = parser.parse_args()
     if args.probe:
-        print("RESULT " + json.dumps(_probe(args.probe, args.seq, args.room or ROOM[args.probe])))
+        print("RESULT " + json.dumps(_probe(args.probe, args.seq, args.room or ROOM[args.probe], args.lora)))
         return
-    print(f"# issue 38's model at a {BUDGET:,} B budget: {platform.machine()}, torch {torch.__version__}")
+    what = "issue 38's model" + (" in a LoRA adapter" if args.lora else "")
+    machine = f"{platform.machine()}, torch {torch.__version__}, memfit from {args.src}"
+    print(f"# {what} at a {BUDGET:,} B budget: {machine}")
     found = {}
     for kind, start in (("hf", args.hf_from), ("plan", args.plan_from)):
         if args.only and kind != args.only:
             continue
         room = args.room or ROOM[kind]
         print(f"{kind}: each probe may allocate {room:,} B beyond its warm-up", flush=True)
-        found[kind], _ = _search(kind, start, room)
+        found[kind], _ = _search(kind, start, room, args.lora, args.src.resolve())
     print("\n| way | longest sequence (tokens) | MemTracker peak (B) | plan |")
     print("|---|---:|---:|---|")
     for kind, best in found.items():

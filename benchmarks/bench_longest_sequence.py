@@ -44,7 +44,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_long_context import BUDGET, _hf_step, _loss, _model, _tokens, _tracked
+from bench_long_context import BUDGET, _hf_step, _lora, _loss, _model, _tokens, _tracked
 
 import memfit
 from memfit import progress
@@ -56,13 +56,6 @@ EXACT = {"rtol": 1e-4, "atol": 1e-6}
 PLAIN_ROOM = 8 * 2**30
 #: Levers that change the forward and backward (the rest change only the optimizer's step).
 FORWARD_LEVERS = ("tiled_mlp", "chunked_loss")
-
-
-def _lora(model: torch.nn.Module) -> torch.nn.Module:
-    import peft
-
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    return peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, target_modules=targets))
 
 
 def _seconds(step: Any, steps: int) -> float:

@@ -5,7 +5,9 @@ plain fp32 AdamW step peaks at 769,342,264 B). ``gpt-4x128``: the same at 4 x 12
 16 x 256, for the test suite (activations outweigh weights and optimizer state, as there).
 ``hf-llama``: a Hugging Face ``LlamaForCausalLM`` from its config (``use_cache`` on, as the
 config makes it), trained through its own ``labels=`` loss. ``reads-values``: residual MLP
-blocks behind a forward that reads a value, which fake tensors cannot run.
+blocks behind a forward that reads a value, which fake tensors cannot run. ``gpt-wide-head``:
+memfit's GPT with a 32,768-token vocabulary, 2 layers x 64, one row of 2,048 tokens: its loss
+head's logits are most of the step (what long context does to a decoder).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 Built = tuple[nn.Module, Any, Callable[[nn.Module, Any], torch.Tensor]]
 
 
-def _gpt(n_layer: int, n_embd: int, rows: int, seq: int) -> Built:
+def _gpt(n_layer: int, n_embd: int, rows: int, seq: int, vocab: int = 256) -> Built:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), block_size=seq))
-    x = torch.randint(0, 256, (rows, seq + 1), generator=torch.Generator().manual_seed(1))
+    heads = max(1, n_embd // 64)
+    model = GPT(GPTConfig(vocab_size=vocab, n_layer=n_layer, n_embd=n_embd, n_head=heads, block_size=seq))
+    x = torch.randint(0, vocab, (rows, seq + 1), generator=torch.Generator().manual_seed(1))
     return model, (x[:, :-1].contiguous(), x[:, 1:].contiguous()), gpt_loss
 
 
@@ -90,6 +93,8 @@ def build(name: str) -> Built:
         return _gpt(6, 384, 16, 256)
     if name == "gpt-4x128":
         return _gpt(4, 128, 16, 256)
+    if name == "gpt-wide-head":
+        return _gpt(2, 64, 1, 2048, vocab=32768)
     if name == "hf-llama":
         return _hf_llama()
     if name == "reads-values":

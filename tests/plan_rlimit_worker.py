@@ -27,6 +27,7 @@ from models_for_room import build
 from rlimit import limit_address_space
 
 import memfit
+from memfit.applying.apply_plan import remove_levers
 from memfit.errors import MemfitError, is_out_of_memory
 from memfit.planning.largest_batch import resize_batch
 from memfit.precision import Precision
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--room", type=float, default=0.60)
     parser.add_argument("--budget", type=float, default=0.45)
     parser.add_argument("--maximize", action="store_true")
+    parser.add_argument("--levers", default="", help="levers the plan may use, comma-separated")
     parser.add_argument("--try-plain", action="store_true")
     parser.add_argument("--bench", action="store_true", help="bench fp32/none and fp32/full instead")
     parser.add_argument("--expect-error", action="store_true", help="print memfit's refusal as ERROR")
@@ -71,7 +73,8 @@ def main() -> None:
     budget = int(args.budget * args.peak)
     maximize = "batch_size" if args.maximize else None
     try:
-        p = memfit.plan(model, batch, loss_fn, budget, opt, precision="fp32", maximize=maximize)
+        levers = [n for n in args.levers.split(",") if n] or None
+        p = memfit.plan(model, batch, loss_fn, budget, opt, "fp32", maximize=maximize, levers=levers)
     except MemfitError as exc:
         if not args.expect_error:
             raise
@@ -85,8 +88,9 @@ def main() -> None:
     for _ in range(3):
         t0 = time.perf_counter()
         steps.append((memfit.train_step(model, batch, loss_fn, opt, p), time.perf_counter() - t0))
-    if args.try_plain:
+    if args.try_plain:  # the plain step: no checkpointing, no levers
         memfit.uncheckpoint(model)
+        remove_levers(model, opt)
     plain_fails = _plain_fails(model, batch, loss_fn, opt) if args.try_plain else None
     result = {
         "plan": p.to_dict(),

@@ -47,6 +47,22 @@ def test_a_step_that_does_not_fit_is_planned_and_trained_under_the_limit() -> No
 
 @pytest.mark.slow
 @linux_only
+def test_a_step_only_the_chunked_head_lets_run_is_planned_and_trained_under_the_limit() -> None:
+    """A 32k vocabulary at 2,048 tokens: the loss head's logits are most of the step, so under a
+    limit with room for 60% of it not even a fully checkpointed step without levers runs; whole
+    steps are timed with the head in chunks (Note [timing with a lever] in
+    memfit/measuring/profile.py) and the plan, for 20%, trains under the limit."""
+    peak = plain_peak("gpt-wide-head")
+    args = ["--model", "gpt-wide-head", "--peak", str(peak), "--try-plain", "--room", "0.6"]
+    result = run_worker(*args, "--budget", "0.2", "--levers", "chunked_loss")
+    assert_planned_under_the_limit("gpt-wide-head", result)
+    p = Plan.from_dict(result["plan"])
+    assert "chunked_loss" in p.levers
+    assert any("the loss head in chunks of" in m for m in p.report.measured), p.report.measured
+
+
+@pytest.mark.slow
+@linux_only
 def test_the_largest_batch_is_searched_without_allocating_it() -> None:
     """Probes run under fake tensors; the answer is planned and trained under the limit."""
     peak = plain_peak("gpt-4x128")

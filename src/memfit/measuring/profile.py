@@ -374,14 +374,14 @@ class Profiler:
         start, rows = self.memory["none"].start, batch_size(self.batch)
         room = self.room
         in_room: Callable[[int], bool] = lambda peak: room is None or room.fits(peak - start)  # noqa: E731
-        tries: list[tuple[Callable[[int], bool], TimingLever | None]] = [(in_room, None)]
+        tries: list[tuple[Callable[[int], bool], bool]] = [(in_room, False), (in_room, True)]
         if self.within is not None:  # See Note [real steps within the budget]
             within = self.within
-            lean = self._lean_lever()
-            tries = [(lambda peak: peak <= within, None)]
-            tries += [(lambda peak: peak <= within, lean), (in_room, lean)] if lean is not None else []
-            tries.append((in_room, None))
-        for fits, lever in tries:
+            tries = [(lambda peak: peak <= within, False), (lambda peak: peak <= within, True), *tries[::-1]]
+        for fits, with_lever in tries:
+            lever = self._lean_lever() if with_lever else None
+            if with_lever and lever is None:
+                continue
             found = self._fewest_parts(lever.predict(prof) if lever else prof, rows, fits, lever)
             if found is not None:
                 self.timed_with = lever
@@ -425,14 +425,16 @@ class Profiler:
     # Where a search's answer is planned (``within`` set), no step without levers may fit the
     # budget at all: at 40k tokens a small Llama's plain loss head alone is gigabytes of
     # logits, whatever the blocks do. Timed in the room instead, such a step takes most of the
-    # machine (and was killed for it). So the planner may hand the profiler a lever to time
-    # with (``lean``: the loss head in chunks, when the request allows chunked_loss and the
-    # model's loss goes through its head), tried after every configuration without it has
-    # failed the budget: within the budget with it, then within the room with it, and only
-    # then the room without it. The lever changes no numerics and no counted work; it moves
-    # the head's gradient matmuls from the backward into the forward (``moved_flops``), which
-    # the time fit moves back (memfit/measuring/prices.py), so the seconds stand for the plain
-    # step's, as the time model prices every lever set the same.
+    # machine (and was killed for it); and where the device itself cannot hold it, no step
+    # could be timed although a plan with levers fits. So the planner may hand the profiler a
+    # lever to time with (``lean``: the loss head in chunks, when the request allows
+    # chunked_loss and the model's loss goes through its head), tried after the configurations
+    # without it: within the budget without it, then with it, then the room with it, and only
+    # then the room without it (no budget to keep within: the room without it, then with it).
+    # The lever changes no numerics and no counted work; it moves the head's gradient matmuls
+    # from the backward into the forward (``moved_flops``), which the time fit moves back
+    # (memfit/measuring/prices.py), so the seconds stand for the plain step's, as the time
+    # model prices every lever set the same.
 
     # Note [timing a step that does not fit]
     # The time model needs a whole step's forward and backward seconds. Where the plain step

@@ -341,9 +341,10 @@ def longest_sequence(request: Request, plan_at: PlanAt) -> Plan:
 # and minutes per step on a CPU. So where ``Profiler.within`` is set (the request's
 # ``steps_within``), the plain step over it is measured on the fake twin (exact where the
 # twin runs the device's kernels), and whole steps are timed in the cheapest configuration
-# under it (the plain step in micro-batches, else fully checkpointed) or, where none is
-# (what the levers save is not in these steps), the cheapest under the room. The blocks
-# alone and the plan's check run as always.
+# under it (the plain step in micro-batches, else fully checkpointed), else with the loss
+# head in chunks where the request allows chunked_loss (See Note [timing with a lever] in
+# memfit/measuring/profile.py), and only then the cheapest under the room. The blocks alone
+# and the plan's check run as always.
 
 
 def _confirmed(plan_at: PlanAt, batch: Batch, budget_bytes: int, n: int) -> Plan | InfeasibleBudget:
