@@ -158,8 +158,8 @@ class Profiler:
         self.failed: set[tuple[CheckpointMode, int, str]] = set()
         """Timing configurations (mode, micro-batches, lever) that ran out of memory."""
         self.lean: Callable[[], TimingLever | None] | None = None
-        """Makes the lever whole steps may be timed with where none without it fits within
-        ``within`` (None: none may be; See Note [timing with a lever])."""
+        """Makes the lever whole steps may be timed with where no configuration without it
+        fits (None: none may be; See Note [timing with a lever])."""
         self.timed_with: TimingLever | None = None
         """The lever the whole steps were timed with (None: none)."""
         self._lean: list[TimingLever | None] = []
