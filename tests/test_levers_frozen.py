@@ -240,3 +240,33 @@ def test_estimate_counts_the_frozen_levers_on_a_fake_model() -> None:
 
 def _adamw_of(params) -> torch.optim.AdamW:
     return torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-2)
+
+
+def test_the_frozen_facts_forwards_with_the_head_in_chunks_keep_the_blocks_deltas() -> None:
+    """Note [the step's forwards with the head in chunks]: where the plain step does not fit,
+    the frozen facts' forwards run with the loss head in chunks (no logits held); every block's
+    delta is the same, and the head's part differs at most by the frozen head weight's bf16
+    cast that only the plain head saves (predicted over, the safe side)."""
+    from memfit.levers.head import chunked_head_on
+    from memfit.measuring.lever_facts import _saved_by_part
+
+    spec, model = _lora_llama(vocab=4096, seq=64)
+    batch = spec.random_batch(1, seed=6)
+    blocks = memfit.find_blocks(model)
+    facts = {}
+    for chunked in (False, True):
+        prof = memfit.profile(model, batch, spec.loss_fn, _adamw(model), "bf16")
+        attach_lever_facts(prof, model, _adamw(model), blocks, (batch, spec.loss_fn), head_chunked=chunked)
+        assert prof.lever_facts is not None and prof.lever_facts.frozen is not None
+        facts[chunked] = prof.lever_facts.frozen.saved_delta
+    assert set(facts[True]) == set(facts[False]) == {"frozen_bf16", "frozen_nf4", "frozen_bf16,frozen_nf4"}
+    cast = 4096 * 256 * 2  # the head weight's bf16 cast
+    for levers, plain in facts[False].items():
+        chunked = facts[True][levers]
+        assert {p: v for p, v in chunked.items() if p} == {p: v for p, v in plain.items() if p}, levers
+        assert 0 <= chunked.get("", 0) - plain.get("", 0) <= cast, (levers, chunked, plain)
+    plain_saved = _saved_by_part(model, blocks, (batch, spec.loss_fn), "bf16")
+    with chunked_head_on(model):
+        chunked_saved = _saved_by_part(model, blocks, (batch, spec.loss_fn), "bf16")
+    tokens = batch[0].numel() if isinstance(batch, tuple) else batch.numel()
+    assert plain_saved[""] - chunked_saved[""] >= tokens * 4096 * 2  # the logits are not held

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +50,7 @@ __all__ = [
     "HF_HEAD_TYPES",
     "HeadSpec",
     "chunked_head_of",
+    "chunked_head_on",
     "find_head",
     "head_refusal",
     "install_chunked_head",
@@ -168,6 +171,30 @@ def install_chunked_head(model: nn.Module, chunk_tokens: int | None = None) -> N
         setattr(inner, "loss_chunk_tokens", chunk)  # noqa: B010 (a plain attribute of memfit's models)
     else:
         set_forward_layer(inner, _TAG, _hf_forward, _HFLayer(inner, chunk))
+
+
+@contextmanager
+def chunked_head_on(model: nn.Module, chunk_tokens: int | None = None) -> Iterator[None]:
+    """``model``'s loss in chunks inside the context (:func:`install_chunked_head`), its head as
+    it was after (a chunked head of another size comes back).
+
+    Example:
+        >>> from memfit.models.gpt import GPT, GPTConfig
+        >>> model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=1, block_size=8))
+        >>> with chunked_head_on(model, 4):
+        ...     chunked_head_of(model)
+        4
+        >>> chunked_head_of(model) is None
+        True
+    """
+    before = chunked_head_of(model)
+    install_chunked_head(model, chunk_tokens)
+    try:
+        yield
+    finally:
+        remove_chunked_head(model)
+        if before is not None:
+            install_chunked_head(model, before)
 
 
 def remove_chunked_head(model: nn.Module) -> None:

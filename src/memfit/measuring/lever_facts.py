@@ -26,6 +26,7 @@ import inspect
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -51,7 +52,14 @@ from memfit.levers.frozen import (
     restore_frozen,
     to_nf4,
 )
-from memfit.levers.head import HeadSpec, chunked_head_of, find_head, install_chunked_head, remove_chunked_head
+from memfit.levers.head import (
+    HeadSpec,
+    chunked_head_of,
+    chunked_head_on,
+    find_head,
+    install_chunked_head,
+    remove_chunked_head,
+)
 from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, plain_cross_entropy
 from memfit.levers.needs import torchao_available
 from memfit.levers.optim import lever_optimizer, step_runs_eagerly
@@ -519,6 +527,18 @@ def weights_saved_delta(
     return {part: now.get(part, 0) - plain.get(part, 0) for part in {*plain, *now}}
 
 
+# Note [the step's forwards with the head in chunks]
+# The frozen weights' and bf16 weights' facts run whole forwards of the step (autograd's
+# saved bytes per part). Where the plain step does not fit (a long sequence's plan), such a
+# forward with the plain loss head holds its logits and their log-softmax: at 37k tokens of
+# a 32k vocabulary 9.6 GB, for a plan of 512 MiB (a LoRA search's answer was killed for it).
+# There, when chunked_loss may be used, they run with the head in chunks: the blocks' and
+# the stem's saved bytes are the same, and the head's part loses what only the plain head
+# saves under a lever (under bf16 autocast, a frozen fp32 head weight's bf16 cast, which
+# frozen_bf16 removes): a set with frozen_bf16 and without chunked_loss is then predicted
+# up to that cast (vocabulary x hidden x 2 bytes) over, the safe side.
+
+
 def attach_lever_facts(
     profile: Profile,
     model: nn.Module,
@@ -526,13 +546,16 @@ def attach_lever_facts(
     blocks: Sequence[str],
     step: tuple[Any, Callable[..., Any]] | None = None,
     levers: Sequence[str] = (),
+    head_chunked: bool = False,
 ) -> Profile:
     """Set ``profile.lever_facts`` and ``profile.weights`` from ``model`` (returns ``profile``);
     with ``step=(batch, loss_fn)`` also the loss head's (:func:`head_facts`), and with
     ``tiled_mlp`` among ``levers`` one MLP's, plain and tiled
     (:func:`memfit.measuring.long_context.tiled_mlp_facts`: a few runs of one MLP, measured
     only where the lever may be chosen), and with ``offload`` the host link's speeds
-    (:func:`memfit.measuring.long_context.host_link_facts`)."""
+    (:func:`memfit.measuring.long_context.host_link_facts`). ``head_chunked``: the step's
+    forwards run with the loss head in chunks (See Note [the step's forwards with the head in
+    chunks])."""
     profile.lever_facts = lever_facts(model, optimizer, blocks)
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
@@ -540,8 +563,11 @@ def attach_lever_facts(
         profile.lever_facts.tiled_mlp = tiled_mlp_facts(model, step[0], step[1], profile.precision)
     if OFFLOAD.name in levers:
         profile.lever_facts.host_link = host_link_facts(model_device(model))
-    profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
-    if step is not None:
-        profile.lever_facts.weights_saved_delta = weights_saved_delta(model, blocks, step, profile.precision)
+    # See Note [the step's forwards with the head in chunks]
+    with chunked_head_on(model) if head_chunked and step is not None else nullcontext():
+        profile.lever_facts.frozen = frozen_facts(model, blocks, step, profile.precision)
+        if step is not None:
+            delta = weights_saved_delta(model, blocks, step, profile.precision)
+            profile.lever_facts.weights_saved_delta = delta
     profile.weights = weights_dtype(model)
     return profile

@@ -20,8 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 
@@ -29,7 +28,7 @@ from memfit.applying.chunked_loss import CHUNKED_LOSS
 from memfit.applying.registry import with_levers
 from memfit.budget import format_bytes
 from memfit.errors import InfeasibleBudget
-from memfit.levers.head import chunked_head_of, install_chunked_head, remove_chunked_head
+from memfit.levers.head import chunked_head_on
 from memfit.measuring.lever_facts import head_facts
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.profile import Profiler, TimingLever
@@ -125,22 +124,11 @@ def _chunked_head(request: Request, precision: str) -> TimingLever | None:
     def predict(prof: Profile) -> Profile:
         return with_levers(replace(prof, lever_facts=LeverFacts(head=facts)), [CHUNKED_LOSS.name])
 
-    @contextmanager
-    def applied() -> Iterator[None]:
-        before = chunked_head_of(model)
-        install_chunked_head(model)
-        try:
-            yield
-        finally:
-            remove_chunked_head(model)
-            if before is not None:
-                install_chunked_head(model, before)
-
     # the head's gradient matmuls (input, and weight where it trains) run in its forward
     matmul = 2.0 * facts.tokens * facts.hidden * facts.vocab
     moved = matmul * (2 if facts.weight_grad_bytes else 1)
     what = f"the loss head in chunks of {facts.chunk_tokens:,} tokens"
-    return TimingLever(CHUNKED_LOSS.name, what, predict, applied, moved)
+    return TimingLever(CHUNKED_LOSS.name, what, predict, partial(chunked_head_on, model), moved)
 
 
 def _profiles(request: Request, complete: bool) -> Measured:

@@ -44,11 +44,13 @@ from torch import nn
 from memfit import progress
 from memfit.api_input import check_plan_inputs
 from memfit.applying import made_for
+from memfit.applying.chunked_loss import CHUNKED_LOSS
 from memfit.applying.registry import lever, missing_torchao_hint, usable_levers
 from memfit.budget import Budget, format_bytes
 from memfit.checkpointing import checkpointed_blocks, set_block_modes, uncheckpoint
 from memfit.devices import Room
 from memfit.errors import ConfigError, InfeasibleBudget
+from memfit.levers.head import head_refusal
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.preserve import preserved
 from memfit.planning.checked import Checked, Chosen, check
@@ -71,8 +73,11 @@ def _choose(request: Request, measured: Measured) -> tuple[Chosen, dict[str, str
     levers left out and why, and what verifying ran."""
     profs, allowed = measured.profiles, list(request.levers)
     step = (request.batch, request.loss_fn) if any(lever(n).step_facts for n in allowed) else None
+    # See Note [the step's forwards with the head in chunks] in memfit/measuring/lever_facts.py
+    chunkable = CHUNKED_LOSS.name in allowed and head_refusal(request.model) is None
     for prof in profs.values() if allowed else []:
-        attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step, allowed)
+        chunked = chunkable and prof.memory_from != "tracked"
+        attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step, allowed, chunked)
     allowed, refused = usable_levers(profs, allowed)
     result, used = plan_with_levers(profs, measured.budget_bytes, measured.baseline, allowed, request.split)
     lines: list[str] = []
