@@ -11,9 +11,9 @@ A length fits when MemTracker's peak around one whole steady-state step (optimiz
 made by a step before) is at most the budget (for ``plan``: and the planner found a plan).
 Each probe runs in a subprocess whose address space is limited (``RLIMIT_AS``) to what it
 uses after a short warm-up step plus twice the budget (``hf``), so a probe never allocates
-far beyond the budget: one that would is a probe that does not fit. ``memfit.plan`` itself
-times real steps without levers while planning, so a ``plan`` probe may allocate 16 times the
-budget (See ``ROOM``); the step it measures is the plan's. The search gallops from
+far beyond the budget: one that would is a probe that does not fit. ``memfit.plan`` before
+issue 38's timing lever timed real steps without levers while planning, so a ``plan`` probe
+may allocate 16 times the budget (See ``ROOM``); the step it measures is the plan's. The search gallops from
 a first length (``--hf-from``, ``--plan-from``: the lengths found before) by one, two, four...
 grains until a length does not fit (down likewise where the first does not fit), then bisects.
 
@@ -48,10 +48,11 @@ from torch.distributed._tools.mem_tracker import MemTracker
 BUDGET = 512 * 2**20
 _NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 GRAIN = 128
-#: Bytes a probe may allocate beyond its warm-up step. memfit.plan times whole steps on the
-#: real model (fully checkpointed, without levers, where the plain step does not fit the room)
-#: and refuses a room they do not fit: at 13,824 tokens the plain loss head alone is 1.8 GB of
-#: logits, so planning needs that room although the plan it returns fits the budget.
+#: Bytes a probe may allocate beyond its warm-up step. memfit.plan before the timing lever
+#: (Note [timing with a lever] in memfit/measuring/profile.py) timed whole steps on the real
+#: model without levers and refused a room they did not fit: at 13,824 tokens the plain loss
+#: head alone is 1.8 GB of logits, so planning needed that room although its plan fits the
+#: budget; kept for probing an older memfit (``--src``).
 ROOM = {"hf": 2 * BUDGET, "plan": 16 * BUDGET}
 VOCAB = 32000
 _ROOT = Path(__file__).resolve().parents[1]
