@@ -1,5 +1,5 @@
 """Whole steps timed with the loss head in chunks where no step without it fits the budget
-(Note [timing with a lever] in memfit/measuring/profile.py): a search's answer is planned with
+(Note [timing with a lever] in memfit/measuring/timing_lever.py): a search's answer is planned with
 ``steps_within`` set, and its plain head's logits alone may be over the budget."""
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfit.applying.frozen import FROZEN_NF4
+from memfit.applying.frozen import FROZEN_BF16, FROZEN_NF4
 from memfit.applying.offload import OFFLOAD
 from memfit.applying.tiled_mlp import TILED_MLP
 from memfit.applying.weights_bf16 import WEIGHTS_BF16
@@ -390,6 +390,7 @@ def head_facts(model: nn.Module, batch: Any, loss_fn: Callable[..., Any], precis
 
 #: Elements of the NF4 probe weights (a multiple of 64 x 256).
 _NF4_PROBE = 2 * NF4_BLOCK * NF4_SCALER_BLOCK
+_FROZEN_LEVERS = {FROZEN_BF16.name: FROZEN_BF16, FROZEN_NF4.name: FROZEN_NF4}
 _FROZEN_SETS = (("frozen_bf16",), ("frozen_nf4",), ("frozen_bf16", "frozen_nf4"))
 
 
@@ -486,7 +487,10 @@ def frozen_facts(
     plain = _saved_by_part(model, blocks, step, precision)
     # the NF4 weights made once: frozen_nf4, then frozen_bf16 on top; then frozen_bf16 alone
     passes = [_FROZEN_SETS[1:], _FROZEN_SETS[:1]] if facts.nf4 else [_FROZEN_SETS[:1]]
-    for sets in passes:
+    # a set with a lever that does not run at this precision is never predicted at it (frozen_bf16
+    # at fp32: its forwards would run the bf16 weights, 20x slower on a CPU without bf16 units)
+    runs = [[s for s in sets if all(_FROZEN_LEVERS[n].runs_at(precision) for n in s)] for sets in passes]
+    for sets in runs:
         saved = FrozenSaved()
         try:
             for levers in sets:
@@ -554,8 +558,8 @@ def attach_lever_facts(
     (:func:`memfit.measuring.long_context.tiled_mlp_facts`: a few runs of one MLP, measured
     only where the lever may be chosen), and with ``offload`` the host link's speeds
     (:func:`memfit.measuring.long_context.host_link_facts`). ``head_chunked``: the step's
-    forwards run with the loss head in chunks (See Note [the step's forwards with the head in
-    chunks])."""
+    forwards run with the loss head in chunks
+    (See Note [the step's forwards with the head in chunks])."""
     profile.lever_facts = lever_facts(model, optimizer, blocks)
     if step is not None:
         profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)

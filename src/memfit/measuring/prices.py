@@ -261,8 +261,8 @@ class TimedSteps(NamedTuple):
     micro_batches: int
     described: str
     moved_flops: float = 0.0
-    """Backward work the lever they were timed with ran in the forward (See Note [timing with
-    a lever] in memfit/measuring/profile.py): moved back before the fit."""
+    """Backward work the lever they were timed with ran in the forward, moved back before the
+    fit (See Note [timing with a lever] in memfit/measuring/timing_lever.py)."""
 
 
 def _moved_back(prof: Profile, steps: TimedSteps, fwd: float, bwd: float) -> tuple[float, float]:

@@ -38,7 +38,6 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,6 +73,7 @@ from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.prices import MICRO, TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import device_speed
+from memfit.measuring.timing_lever import TimingLever
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
 from memfit.records import Profile, Speed
@@ -87,23 +87,7 @@ BLOCK_ROUNDS = 8
 _Optimizer = torch.optim.Optimizer
 _Context = AbstractContextManager[Any]
 
-__all__ = ["BLOCK_ROUNDS", "Profiler", "TimingLever", "profile"]
-
-
-@dataclass(frozen=True)
-class TimingLever:
-    """A lever whole steps may be timed with where no step without it fits (See Note [timing
-    with a lever]); the planner makes it (:mod:`memfit.planning.measure`)."""
-
-    name: str
-    described: str
-    """What it does, for the profile's notes ("the loss head in chunks of 262 tokens")."""
-    predict: Callable[[Profile], Profile]
-    """A profile without the lever -> the step with it."""
-    applied: Callable[[], AbstractContextManager[Any]]
-    """The lever on the model while a step is timed, taken off after."""
-    moved_flops: float = 0.0
-    """Backward work it runs in the forward instead."""
+__all__ = ["BLOCK_ROUNDS", "Profiler", "profile"]
 
 
 class Profiler:
@@ -160,9 +144,8 @@ class Profiler:
         self.lean: Callable[[], TimingLever | None] | None = None
         """Makes the lever whole steps may be timed with where no configuration without it
         fits (None: none may be; See Note [timing with a lever])."""
-        self.timed_with: TimingLever | None = None
-        """The lever the whole steps were timed with (None: none)."""
-        self._lean: list[TimingLever | None] = []
+        self.timed_with: TimingLever | None = None  # the lever whole steps were timed with
+        self._lean: list[TimingLever | None] = []  # the lever, once made
 
     def _phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
         return progress.phase(f"{self.precision.mode}: {what}", total)
@@ -361,7 +344,8 @@ class Profiler:
         else split into the fewest micro-batches that fit, else fully checkpointed; sets
         :attr:`timed_with` to the lever they are timed with (None: none).
 
-        See Note [timing a step that does not fit] and Note [timing with a lever].
+        See Note [timing a step that does not fit] and Note [timing with a lever] in
+        memfit/measuring/timing_lever.py.
         """
         self.timed_with = None
         if ("none", 1, "") not in self.failed and (
@@ -398,8 +382,7 @@ class Profiler:
             budget_bytes=start + free,
         )
 
-    def _lean_lever(self) -> TimingLever | None:
-        """The lever steps may be timed with (made once), or None."""
+    def _lean_lever(self) -> TimingLever | None:  # made once
         if not self._lean:
             self._lean.append(self.lean() if self.lean is not None else None)
         return self._lean[0]
@@ -421,31 +404,6 @@ class Profiler:
                 k *= 2
         return None
 
-    # Note [timing with a lever]
-    # Where a search's answer is planned (``within`` set), no step without levers may fit the
-    # budget at all: at 40k tokens a small Llama's plain loss head alone is gigabytes of
-    # logits, whatever the blocks do. Timed in the room instead, such a step takes most of the
-    # machine (and was killed for it); and where the device itself cannot hold it, no step
-    # could be timed although a plan with levers fits. So the planner may hand the profiler a
-    # lever to time with (``lean``: the loss head in chunks, when the request allows
-    # chunked_loss and the model's loss goes through its head), tried after the configurations
-    # without it: within the budget without it, then with it, then the room with it, and only
-    # then the room without it (no budget to keep within: the room without it, then with it).
-    # The lever changes no numerics and no counted work; it moves the head's gradient matmuls
-    # from the backward into the forward (``moved_flops``), which the time fit moves back
-    # (memfit/measuring/prices.py), so the seconds stand for the plain step's, as the time
-    # model prices every lever set the same.
-
-    # Note [timing a step that does not fit]
-    # The time model needs a whole step's forward and backward seconds. Where the plain step
-    # does not fit, it is timed split into micro-batches (the same work, plus what each
-    # micro-batch repeats, which the step model prices and takes off again:
-    # See Note [what a micro-batch costs] in memfit/stepmodel/time.py) or, failing that,
-    # with every block fully checkpointed, whose backward less the blocks' recompute (fitted
-    # to the heaviest block run alone, see memfit/measuring/prices.py) is the plain
-    # backward. The prices and the plain step's scales depend on each other, so the fit is
-    # made twice.
-
     def _timed(self, mode: CheckpointMode, micro_batches: int = 1) -> tuple[float, float, float]:
         """(forward, backward, whole) seconds of one step with every block in ``mode``."""
         device = model_device(self.model)
@@ -461,16 +419,9 @@ class Profiler:
             set_block_modes(self.model, dict.fromkeys(self.blocks, mode))
         with self.timed_with.applied() if self.timed_with is not None else nullcontext():
             mark("start")
-            training_step(
-                self.model,
-                self.batch,
-                self.loss_fn,
-                self.optimizer,
-                self.precision,
-                micro_batches,
-                after_forward=lambda: mark("forward"),
-                after_backward=lambda: mark("backward"),
-            )
+            m, b, lf, opt, prec = self.model, self.batch, self.loss_fn, self.optimizer, self.precision
+            fwd, bwd = (lambda: mark("forward")), (lambda: mark("backward"))
+            training_step(m, b, lf, opt, prec, micro_batches, after_forward=fwd, after_backward=bwd)
             mark("end")
         uncheckpoint(self.model)
         forward = (marks["forward"] - marks["start"]) * micro_batches  # the first part's, times the parts
@@ -502,8 +453,7 @@ class Profiler:
                 )
 
     def _described(self) -> str:
-        lever = self.timed_with.described if self.timed_with is not None else ""
-        return timing.describe_timing(*self.timing, lever)
+        return timing.describe_timing(*self.timing, self.timed_with.described if self.timed_with else "")
 
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""

@@ -106,7 +106,8 @@ def _profilers(request: Request) -> tuple[dict[str, Profiler], Profiler]:
         r = request
         prof = Profiler(r.model, r.batch, r.loss_fn, r.optimizer, precision, blocks=r.blocks)
         prof.within = r.steps_within
-        if CHUNKED_LOSS.name in r.levers:  # See Note [timing with a lever] in memfit/measuring/profile.py
+        # See Note [timing with a lever] in memfit/measuring/timing_lever.py
+        if CHUNKED_LOSS.name in r.levers:
             prof.lean = partial(_chunked_head, r, p)
         return prof
 
