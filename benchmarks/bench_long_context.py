@@ -49,7 +49,7 @@ BUDGET = 512 * 2**20
 _NO_HOOK = SimpleNamespace(remove=lambda: None)  # a hook handle that removes nothing
 GRAIN = 128
 #: Bytes a probe may allocate beyond its warm-up step. memfit.plan before the timing lever
-#: (Note [timing with a lever] in memfit/measuring/profile.py) timed whole steps on the real
+#: (Note [timing with a lever] in memfit/measuring/timing_lever.py) timed whole steps on the real
 #: model without levers and refused a room they did not fit: at 13,824 tokens the plain loss
 #: head alone is 1.8 GB of logits, so planning needed that room although its plan fits the
 #: budget; kept for probing an older memfit (``--src``).
