@@ -1,24 +1,19 @@
 """Micro-batches are priced like everything else and chosen wherever predicted faster (issue 36).
 
-See Note [what a micro-batch costs] in memfit/stepmodel/time.py and Note [micro-batches where
-they are faster] in memfit/planning/choose.py. The profiles are built by hand (counted work
-priced by given speeds); the prices fitted from a block timed alone are checked on given
-times. No timing is measured here.
+See Note [what a micro-batch costs] in memfit/stepmodel/time.py and Note [plans repeat] in
+memfit/planning/choose.py. The profiles are built by hand (counted work priced by given
+speeds); the prices fitted from the step timed whole and split are checked on given times.
+No timing is asserted here (one test checks what a real profile timed, not how fast).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from memfit.measuring.block_timing import (
-    capture_block_inputs,
-    fewer_rows,
-    micro_batch_inputs,
-    time_block_modes,
-)
-from memfit.measuring.prices import fit_prices, micro_label
+from memfit.measuring.prices import fit_prices, fit_split, micro_label
+from memfit.measuring.profile import profile
+from memfit.measuring.split_timing import split_counts, time_split_steps
 from memfit.planning.choose import plan_from_profiles
 from memfit.records import BlockStats, Profile, Speed
 from memfit.stepmodel import (
@@ -47,8 +42,8 @@ def _block(i: int) -> BlockStats:
 
 
 def _profile(split: float) -> Profile:
-    """Four identical blocks, batch 8; a recompute at its forward's price; b0 in 8 micro-batches
-    measured at ``split`` times its time whole."""
+    """Four identical blocks, batch 8; a recompute at its forward's price; the step in 8
+    micro-batches measured at ``split`` times its time whole."""
     speed = Speed(
         flop_seconds=1e-11, byte_seconds=1e-10, op_seconds=1e-5, checkpoint_seconds=1e-4,
         forward_scale=1.0, backward_scale=2.0, timed_block="b0", micro_batches=[8],
@@ -66,19 +61,25 @@ def test_what_micro_batches_add_grows_with_their_number_and_is_predicted() -> No
     prof = _profile(1.7)
     added = [micro_batch_seconds(prof, tiling(prof, "none"), k) for k in (1, 2, 4, 8)]
     assert added[0] == 0.0 and 0 < added[1] < added[2] < added[3]
-    # in 8 micro-batches each block costs 0.7 of its time more, as b0 measured; the outside, all
-    # dispatch (ops, no FLOPs), its whole time again per micro-batch; the gradients are
-    # accumulated 7 times
+    # in 8 micro-batches each block costs 0.7 of its time more, as the step measured; the
+    # outside, all dispatch (ops, no FLOPs), its whole time again per micro-batch (the least);
+    # the gradients' accumulation is in the step's measured ratio
     sp = prof.speed
     assert sp is not None
     blocks = sum(b.forward_seconds + b.backward_seconds["none"] for b in prof.blocks)
     outside = (sp.forward_scale + sp.backward_scale) * prof.outside.forward_ops * sp.op_seconds
-    assert added[3] == pytest.approx(0.7 * blocks + 7 * outside + 7 * 3 * prof.grad_bytes * sp.byte_seconds)
+    assert added[3] == pytest.approx(0.7 * blocks + 7 * outside)
     assert predict_step_seconds(prof, "none", 4) == pytest.approx(
         predict_step_seconds(prof, "none") + added[2]
     )
     # a checkpointed block repeats its forward's calls in the recompute too
     assert micro_batch_seconds(prof, tiling(prof, "full"), 2) > added[1]
+    # not measured: every op dispatched again, and the gradients accumulated 7 times
+    sp.micro_batches, sp.micro_batch_ratios = [], []
+    ops = (sp.forward_scale + sp.backward_scale) * sp.op_seconds * sum(b.forward_ops for b in prof.blocks)
+    accumulated = 7 * 3 * prof.grad_bytes * sp.byte_seconds
+    expected = 7 * ops + 7 * outside + accumulated
+    assert micro_batch_seconds(prof, tiling(prof, "none"), 8) == pytest.approx(expected)
 
 
 def test_micro_batches_are_chosen_where_faster_than_checkpointing_that_fits_whole() -> None:
@@ -117,53 +118,62 @@ def test_one_disturbed_round_does_not_move_the_prices() -> None:
     assert sp.recompute_scale == pytest.approx(steady_scale)
 
 
-def test_what_micro_batches_cost_is_fitted_to_the_block_run_in_them() -> None:
+def test_what_micro_batches_cost_is_fitted_to_the_step_run_in_them() -> None:
     prof = _profile(1.1)
     sp = prof.speed
     assert sp is not None
     # in 2 micro-batches 1.2 times its time whole, in 8 (one row each) 2.4 times; one round of
     # the eight disturbed
     times = {"none": [1.0] * 5, micro_label(2): [1.2] * 5, micro_label(8): [2.4] * 4 + [9.0]}
-    fit_prices(prof, "b0", times)
+    fit_split(prof, times)
     assert sp.micro_batches == [2, 8] and sp.micro_batch_ratios == pytest.approx([1.2, 2.4])
-    assert sp.spread == 0.0
+    assert sp.micro_spread == 0.0
+    # the block's checkpointing rounds do not touch them
+    fit_prices(prof, "b0", {"none": [1.0] * 3, "full": [1.3] * 3})
+    assert sp.micro_batches == [2, 8]
     # four micro-batches: between, linear in k
     from memfit.stepmodel import micro_batch_ratio
 
     assert micro_batch_ratio(sp, 4) == pytest.approx(1.2 + 2 * 1.2 / 6)
+    fit_split(prof, {})
+    assert sp.micro_batches == [] and micro_batch_ratio(sp, 4) is None
 
 
-def test_a_block_timed_on_one_of_several_micro_batches_prices_the_whole_batch() -> None:
-    """Where the plain step does not fit, whole steps (and so the block's inputs) are one of 4
-    micro-batches: the block in 2 more is 8 of the batch, and what 4 cost is inferred."""
+def test_a_step_timed_in_several_micro_batches_prices_the_whole_batch() -> None:
+    """Where the plain step does not fit, whole steps are timed in 4 micro-batches: the step
+    split 2 more times is 8 of the batch, and what 4 cost is inferred."""
     prof = _profile(1.1)
     sp = prof.speed
     assert sp is not None
-    fit_prices(prof, "b0", {"none": [1.0] * 3, micro_label(2): [1.2] * 3}, split=4)
+    fit_split(prof, {"none": [1.0] * 3, micro_label(2): [1.2] * 3}, split=4)
     phi = 0.2 / (8 - 1 - 1.2 * 3)  # 1.2 = (1 + 7 phi) / (1 + 3 phi)
     assert sp.micro_batches == [4, 8]
     assert sp.micro_batch_ratios == pytest.approx([1 + 3 * phi, 1 + 7 * phi], rel=1e-5)
 
 
-class _Layer(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
+def test_the_step_is_timed_whole_and_split_side_by_side() -> None:
+    calls: list[int] = []
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return x + torch.relu(self.lin(x)) * mask
+    def timed(k: int) -> float:
+        calls.append(k)
+        return float(k)
+
+    times = time_split_steps(timed, split_counts(4), rounds=3)
+    assert calls == [1, 2, 4] * 3  # each round: whole, then every count
+    assert times == {"none": [1.0] * 3, micro_label(2): [2.0] * 3, micro_label(4): [4.0] * 3}
+    assert time_split_steps(timed, split_counts(1), rounds=3) == {}  # one row: nothing to split
 
 
-def test_a_block_alone_also_runs_on_fewer_rows_side_by_side() -> None:
-    model = nn.Sequential(_Layer())
-    x, mask = torch.randn(4, 8), torch.ones(8)
-    with capture_block_inputs(model, "0") as seen:
-        model[0](x, mask)
-    fewer = micro_batch_inputs(seen, 4)
-    assert [k for _, k in fewer] == [2, 4]  # two micro-batches of two rows, four of one
-    one = fewer[1][0]
-    assert one.args[0].shape == (1, 8) and one.args[1].shape == (8,)  # only the batch is cut
-    times = time_block_modes(model, "0", seen, ["none", "full"], rounds=3, fewer=fewer)
-    lengths = {"none": 3, "full": 3, micro_label(2): 3, micro_label(4): 3}
-    assert {m: len(t) for m, t in times.items()} == lengths
-    assert fewer_rows(seen, 4, 4) is None and fewer_rows(seen, 5, 1) is None
+def test_a_profile_times_its_step_in_micro_batches() -> None:
+    """A real profile of a small GPT (batch 4): the step ran in 2 and 4 micro-batches, and the
+    ratios fitted to them never fall below whole and grow with the count."""
+    from memfit.models.gpt import GPT, GPTConfig, gpt_loss
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=16))
+    x = torch.randint(0, 256, (4, 16))
+    prof = profile(model, (x, x), gpt_loss, repeats=1)
+    sp = prof.speed
+    assert sp is not None and sp.micro_batches == [2, 4]
+    assert 1.0 <= sp.micro_batch_ratios[0] <= sp.micro_batch_ratios[1]
+    assert "the step's forward and backward ran" in prof.notes[0]  # the time model's note says so

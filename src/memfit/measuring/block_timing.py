@@ -45,7 +45,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from memfit import progress
 from memfit.checkpointing import set_block_modes
 from memfit.devices import model_device
-from memfit.measuring.prices import micro_label
 from memfit.vocab import CheckpointMode
 
 #: Rounds a block alone is timed in each mode at least, however long they take.
@@ -62,14 +61,10 @@ BLOCK_STEPS = 4.0
 __all__ = [
     "BLOCK_STEPS",
     "MIN_ROUNDS",
-    "MOST_MICRO_BATCHES",
     "BlockInputs",
-    "Fewer",
     "block_times",
     "capture_block_inputs",
     "describe_timing",
-    "fewer_rows",
-    "micro_batch_inputs",
     "time_block_modes",
 ]
 
@@ -136,61 +131,6 @@ def _run(block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractCon
     torch.autograd.backward(leaves, [torch.ones_like(t) for t in leaves])
 
 
-#: The most micro-batches a block alone is timed in (a batch of more rows, in the fewest rows
-#: of a micro-batch that keep it at most this many).
-MOST_MICRO_BATCHES = 64
-
-#: The block's inputs for one micro-batch, and how many micro-batches make up its rows.
-Fewer = tuple[BlockInputs, int]
-
-
-def fewer_rows(seen: BlockInputs, rows: int, keep: int) -> BlockInputs | None:
-    """``seen`` with every tensor whose first dimension is ``rows`` cut to its first ``keep``
-    rows: the block's inputs for a micro-batch of ``keep`` (None where no tensor has ``rows``
-    first, or ``keep`` is not fewer).
-
-    Example:
-        >>> seen = BlockInputs((torch.ones(4, 3), torch.ones(3)), {}, seen=True)
-        >>> [tuple(a.shape) for a in fewer_rows(seen, 4, 1).args]
-        [(1, 3), (3,)]
-    """
-    cut = False
-
-    def one(value: Any) -> Any:
-        nonlocal cut
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
-            cut = True
-            return _keep(value[:keep])
-        return value
-
-    if keep >= rows or not seen.seen:
-        return None
-    args, kwargs = tree_map(one, (seen.args, seen.kwargs))
-    return BlockInputs(args, kwargs, seen=True) if cut else None
-
-
-def micro_batch_inputs(seen: BlockInputs, rows: int) -> list[Fewer]:
-    """The block's inputs for 2 micro-batches, for as many as it has ``rows`` (one row each;
-    at most :data:`MOST_MICRO_BATCHES`) and for a count between them, with their counts
-    (:func:`fewer_rows`; none where its inputs do not carry the rows first).
-
-    Example:
-        >>> seen = BlockInputs((torch.ones(32, 3),), {}, seen=True)
-        >>> [(tuple(f.args[0].shape), k) for f, k in micro_batch_inputs(seen, 32)]
-        [((16, 3), 2), ((4, 3), 8), ((1, 3), 32)]
-    """
-    out: list[Fewer] = []
-    counts = [k for k in range(2, min(rows, MOST_MICRO_BATCHES) + 1) if rows % k == 0]
-    most = counts[-1] if counts else 1
-    # and the count between 2 and the most, in log k: the curve bends
-    middle = min(counts[1:-1], key=lambda k: abs(math.log(k * k / (2 * most))), default=2)
-    for k in sorted({2, middle, most}):
-        fewer = fewer_rows(seen, rows, rows // k) if rows % k == 0 else None
-        if fewer is not None:
-            out.append((fewer, k))
-    return out
-
-
 def _timed_run(
     block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]], cuda: bool
 ) -> float:
@@ -212,19 +152,13 @@ def time_block_modes(
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     within: float = math.inf,
-    fewer: Sequence[Fewer] = (),
 ) -> dict[str, list[float]]:
     """Seconds of block ``name``'s forward + backward alone, per mode, one per round.
 
     One untimed round warms each mode up; then every round runs the modes in the order
     given, so the i-th times of two modes were taken side by side. ``autocast`` makes the
-    context each run's forward runs in (the precision's autocast). With ``fewer`` (inputs of
-    one micro-batch and a count k: :func:`micro_batch_inputs`), each round also runs the block
-    without checkpointing k times on them, back to back (all its rows in k micro-batches: as
-    long, so as disturbed, as the other runs), their seconds together under
-    :func:`~memfit.measuring.prices.micro_label` of k (left out where the warm-up fails).
-    Timing stops after the round in which ``within`` seconds have passed, once
-    :data:`MIN_ROUNDS` rounds were timed
+    context each run's forward runs in (the precision's autocast). Timing stops after the
+    round in which ``within`` seconds have passed, once :data:`MIN_ROUNDS` rounds were timed
     (See Note [timing a block alone within a few steps]). The block's mode is put back to
     ``none`` (no checkpointing) afterwards.
 
@@ -245,8 +179,6 @@ def time_block_modes(
                     took = _timed_run(block, seen, autocast, cuda)
                     if r > 0:
                         times[mode].append(took)
-                timed = times if r > 0 else None
-                fewer = [f for f in fewer if _time_fewer(model, name, f, autocast, cuda, timed)]
                 if r > 0:  # round 0 warms each mode up
                     shown.advance()
                 if r >= MIN_ROUNDS and time.perf_counter() - began > within:
@@ -254,31 +186,6 @@ def time_block_modes(
     finally:
         set_block_modes(model, {name: "none"})
     return times
-
-
-def _time_fewer(
-    model: nn.Module,
-    name: str,
-    fewer: Fewer,
-    autocast: Callable[[], AbstractContextManager[Any]],
-    cuda: bool,
-    times: dict[str, list[float]] | None,
-) -> bool:
-    """Run the block without checkpointing on one micro-batch's inputs as many times as make up
-    its rows, adding their seconds to ``times`` (None: a warm-up); False where the warm-up
-    failed (that count is then left out)."""
-    inputs, runs = fewer
-    set_block_modes(model, {name: "none"})
-    block = model.get_submodule(name)
-    if times is not None:
-        took = sum(_timed_run(block, inputs, autocast, cuda) for _ in range(runs))
-        times.setdefault(micro_label(runs), []).append(took)
-        return True
-    try:
-        _timed_run(block, inputs, autocast, cuda)
-    except Exception:  # rows the block cannot take: micro-batches stay priced by their ops
-        return False
-    return True
 
 
 def block_times(
@@ -289,12 +196,11 @@ def block_times(
     rounds: int,
     autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
     within: float = math.inf,
-    fewer: Sequence[Fewer] = (),
 ) -> tuple[dict[str, list[float]], str]:
     """Block ``name``'s seconds per mode (:func:`time_block_modes`) and ``""``, or no times and
     why the block cannot run alone."""
     try:
-        return time_block_modes(model, name, seen, modes, rounds, autocast, within, fewer), ""
+        return time_block_modes(model, name, seen, modes, rounds, autocast, within), ""
     except Exception as exc:  # whatever stops one block running alone, the step still runs
         return {}, f"{type(exc).__name__}: {exc}"
 

@@ -1,11 +1,14 @@
-"""The time model's fitted prices, from one block run alone in each mode, side by side.
+"""The time model's fitted prices, from one block run alone in each mode and the step run
+whole and split, side by side.
 
 :func:`memfit.measuring.block_timing.time_block_modes` runs the heaviest distinct block's
-forward and backward alone, its modes interleaved round by round (none, selective, full,
-and in micro-batches). :func:`fit_prices` turns those times into the prices the step
-model lacks: what a recompute costs over the forward (``Speed.recompute_scale``), what
-selective checkpointing's dispatch costs per op (``Speed.selective_op_seconds``) and what
-splitting the batch into micro-batches costs it (``Speed.micro_batch_ratios``).
+forward and backward alone, its modes interleaved round by round (none, selective, full).
+:func:`fit_prices` turns those times into the prices the step model lacks: what a
+recompute costs over the forward (``Speed.recompute_scale``) and what selective
+checkpointing's dispatch costs per op (``Speed.selective_op_seconds``).
+:func:`memfit.measuring.split_timing.time_split_steps` runs the step's forward and
+backward whole and in micro-batches, round by round; :func:`fit_split` turns those into
+what splitting the batch costs the step (``Speed.micro_batch_ratios``).
 
 Trade-off: on a loaded machine another process takes a share of every run, more in some
 rounds than in others; prices fitted to absolute seconds then swing with the load from one
@@ -40,6 +43,7 @@ __all__ = [
     "RECOMPUTE_WIDTH",
     "TimedSteps",
     "fit_prices",
+    "fit_split",
     "fit_time_model",
     "micro_label",
     "round_ratios",
@@ -49,24 +53,24 @@ __all__ = [
     "toward",
 ]
 
-#: How the block's runs in k micro-batches are labelled among the modes' times.
+#: How the step's runs in k micro-batches are labelled among its times.
 MICRO = "micro-batches: "
 #: A round whose ratio is further than this many scaled MADs from the median is left out.
 OUTLIER_MADS = 3.0
 #: How far (natural log) a recompute's price may stray from the forward's by the prior.
 RECOMPUTE_WIDTH = 0.5
-#: The least a block in micro-batches is taken to cost over whole (a measured gain below
-#: this is a disturbed timing, or a cache effect the step as a whole will not see).
+#: The least the step in micro-batches is taken to cost over whole (a measured gain below
+#: this is a disturbed timing).
 LEAST_MICRO_RATIO = 1.0
 
 
 def micro_label(micro_batches: int) -> str:
-    """The label of the block's runs in ``micro_batches`` among the modes' times."""
+    """The label of the step's runs in ``micro_batches`` among its times."""
     return f"{MICRO}{micro_batches}"
 
 
 # Note [prices that hold still]
-# What checkpointing and micro-batches cost is timed on one block alone, and a loaded
+# What checkpointing costs is timed on one block alone (micro-batches on the step), and a loaded
 # machine moves absolute times by tens of percent between calls (and between rounds). So:
 # (1) the prices are fitted to ratios within a round (a mode's time over none's, run
 # moments apart under the same load), never to seconds from two moments; (2) a round
@@ -185,9 +189,9 @@ def _monotone(ratios: list[float]) -> list[float]:
 
 
 def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]], split: int = 1) -> None:
-    """Record the block's seconds in each count of micro-batches over whole: the median of the
+    """Record the step's seconds in each count of micro-batches over whole: the median of the
     steady rounds, at least :data:`LEAST_MICRO_RATIO`, made non-decreasing in the count; and
-    how far the rounds spread (``Speed.micro_spread``). Where the block ran on one of
+    how far the rounds spread (``Speed.micro_spread``). Where the step timed was one of
     ``split`` micro-batches, its counts are of those (:func:`_from_split`).
 
     No prior pulls these: what splitting costs a model's kernels (a convolution on one image
@@ -233,9 +237,8 @@ def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]], s
     ``recompute_scale``: the full extra, less one checkpoint call, over the block's scaled
     forward. ``selective_op_seconds``: what the selective extra leaves after its counted
     recompute and call, per op dispatched (forward and recompute), never below the
-    micro-benchmark's. ``micro_batches`` and ``micro_batch_ratios``: from its runs in
-    micro-batches (:func:`micro_label`), their spread in ``micro_spread``. ``spread``: the
-    largest spread of the rounds the checkpointing prices were fitted to.
+    micro-benchmark's. ``spread``: the largest spread of the rounds the checkpointing prices
+    were fitted to.
     """
     sp: Speed | None = prof.speed
     block = next((b for b in prof.blocks if b.name == name), None)
@@ -248,8 +251,17 @@ def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]], s
         spreads.append(_fit_recompute(prof, block, ratios["full"]))
     if ratios.get("selective") and block.forward_ops:
         spreads.append(_fit_selective(prof, block, ratios["selective"]))
-    _fit_micro_batches(prof, ratios, split)
     sp.spread = min(1.0, max(spreads))
+
+
+def fit_split(prof: Profile, times: Mapping[str, Sequence[float]], split: int = 1) -> None:
+    """Fit ``prof.speed``'s ``micro_batches`` and ``micro_batch_ratios`` (their spread in
+    ``micro_spread``) to the step's forward and backward timed whole (``"none"``) and in
+    micro-batches (:func:`micro_label`), the i-th entries side by side
+    (:func:`~memfit.measuring.split_timing.time_split_steps`); the step timed was one of
+    ``split`` micro-batches (:func:`_from_split`). Nothing timed: the lists stay empty."""
+    if prof.speed is not None:
+        _fit_micro_batches(prof, round_ratios(times) if times.get("none") else {}, split)
 
 
 class TimedSteps(NamedTuple):
@@ -295,11 +307,17 @@ def _as_plain(
 
 
 def fit_time_model(
-    prof: Profile, speed: Speed, steps: TimedSteps, timed_block: str, times: Mapping[str, Sequence[float]]
+    prof: Profile,
+    speed: Speed,
+    steps: TimedSteps,
+    timed_block: str,
+    times: Mapping[str, Sequence[float]],
+    split_times: Mapping[str, Sequence[float]] | None = None,
 ) -> None:
     """Set ``prof.speed`` from the micro-benchmarks' ``speed``, scaled so the counted work takes
     the timed steps' seconds, with the prices fitted to ``timed_block``'s ``times`` alone
-    (:func:`fit_prices`), and fill every block's times. The prices and the plain step's scales
+    (:func:`fit_prices`) and micro-batches' to the step timed split, ``split_times``
+    (:func:`fit_split`), and fill every block's times. The prices and the plain step's scales
     depend on each other (a step timed in micro-batches or checkpointed is turned into the
     plain one by them), so the fit is made twice.
     """
@@ -313,6 +331,7 @@ def fit_time_model(
         prof.speed = sp
         if times:
             fit_prices(prof, timed_block, times, steps.micro_batches)
+        fit_split(prof, split_times or {}, steps.micro_batches)
         plain = _as_plain(prof, steps, *step)
     sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
     prof.step_seconds, sp.timed_as = plain[2], steps.described

@@ -33,6 +33,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import warnings
@@ -57,7 +58,7 @@ from memfit.devices import Room, model_device, room, room_needed
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
-from memfit.measuring.block_timing import BlockInputs, block_times, capture_block_inputs, micro_batch_inputs
+from memfit.measuring.block_timing import BlockInputs, block_times, capture_block_inputs
 from memfit.measuring.depth import both, every_layer_runs, layer_drops
 from memfit.measuring.flops import BlockFlops, block_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
@@ -70,9 +71,10 @@ from memfit.measuring.phases import (
     profile_from_memory,
 )
 from memfit.measuring.preserve import create_optimizer_state, preserved
-from memfit.measuring.prices import MICRO, TimedSteps, fit_time_model
+from memfit.measuring.prices import TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import device_speed
+from memfit.measuring.split_timing import split_counts, time_split_steps
 from memfit.measuring.timing_lever import TimingLever
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
@@ -117,8 +119,10 @@ class Profiler:
         self.flops: dict[str, BlockFlops] = {}
         self.times: list[tuple[float, float, float]] = []
         self.block_times: dict[str, list[float]] = {}
-        """Per checkpointing mode (and count of micro-batches: :func:`~memfit.measuring.prices.
-        micro_label`), ``timed_block``'s seconds alone, one per round, taken side by side."""
+        """Per checkpointing mode, ``timed_block``'s seconds alone, one per round, side by side."""
+        self.split_times: dict[str, list[float]] = {}
+        """The step's forward and backward whole and per count of micro-batches, one per round
+        (:func:`~memfit.measuring.split_timing.time_split_steps`)."""
         self.timed_block = ""
         self.speed: Speed | None = None
         self.measured: list[str] = []
@@ -145,7 +149,6 @@ class Profiler:
         """Makes the lever whole steps may be timed with where no configuration without it
         fits (None: none may be; See Note [timing with a lever])."""
         self.timed_with: TimingLever | None = None  # the lever whole steps were timed with
-        self._lean: list[TimingLever | None] = []  # the lever, once made
 
     def _phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
         return progress.phase(f"{self.precision.mode}: {what}", total)
@@ -363,7 +366,7 @@ class Profiler:
             within = self.within
             tries = [(lambda peak: peak <= within, False), (lambda peak: peak <= within, True), *tries[::-1]]
         for fits, with_lever in tries:
-            lever = self._lean_lever() if with_lever else None
+            lever = self._lean_lever if with_lever else None
             if with_lever and lever is None:
                 continue
             found = self._fewest_parts(lever.predict(prof) if lever else prof, rows, fits, lever)
@@ -382,10 +385,9 @@ class Profiler:
             budget_bytes=start + free,
         )
 
+    @functools.cached_property
     def _lean_lever(self) -> TimingLever | None:  # made once
-        if not self._lean:
-            self._lean.append(self.lean() if self.lean is not None else None)
-        return self._lean[0]
+        return self.lean() if self.lean is not None else None
 
     def _fewest_parts(
         self, prof: Profile, rows: int, fits: Callable[[int], bool], lever: TimingLever | None = None
@@ -467,10 +469,9 @@ class Profiler:
         )
 
     def time_checkpointed(self, steps: int, rounds: int = BLOCK_ROUNDS) -> None:
-        """Time ``steps`` more whole steps (as :meth:`time` does), and the heaviest distinct
-        block alone, ``rounds`` times in each measured mode side by side: what a recompute
-        and selective checkpointing cost on this model (a whole step's noise is as large as
-        one block's recompute)."""
+        """Time ``steps`` more whole steps (as :meth:`time` does), the heaviest distinct block alone
+        ``rounds`` times per measured mode side by side (a recompute's and selective's prices: a
+        step's noise is as large as one recompute) and the step in micro-batches (splitting's)."""
         if not self.blocks:
             return
         started = time.perf_counter()
@@ -480,22 +481,21 @@ class Profiler:
         self.times += times  # See Note [timing a block alone within a few steps]
         within = timing.BLOCK_STEPS * statistics.median(t[2] for t in self.times)
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
-        rows = -(-batch_size(self.batch) // self.timing[1])  # the rows of the micro-batch timed
-        fewer = micro_batch_inputs(seen, rows)
-        found: dict[str, list[float]] = {}
-        why = ""
-        if len(modes) > 1 or fewer:
-            found, why = block_times(
-                self.model, heaviest, seen, modes, rounds, self.precision.autocast, within, fewer
-            )
+        alone = (self.model, heaviest, seen, modes, rounds, self.precision.autocast, within)
+        found, why = block_times(*alone) if len(modes) > 1 else ({}, "")
         what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{self._described()}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
         elif found:
             self.timed_block, self.block_times = heaviest, found
-            split = [m[len(MICRO) :] for m in found if m.startswith(MICRO)]
-            ran = ", ".join(modes) + (f" and in {' and '.join(split)} micro-batches" if split else "")
-            what += f" and {heaviest} alone {len(found['none'])} times in each of {ran}"
+            what += f" and {heaviest} alone {len(found['none'])} times in each of {', '.join(modes)}"
+        mode, parts = self.timing  # the step split: its counts are of the timed micro-batch's rows
+        counts = split_counts(-(-batch_size(self.batch) // parts))
+        with every_layer_runs(self.model):
+            fb = lambda k: sum(self._timed(mode, parts * k)[:2])  # noqa: E731
+            self.split_times = split = time_split_steps(fb, counts, rounds, within)
+        if split:
+            what += f", the step in {' and '.join(map(str, counts))} micro-batches {len(split['none'])} times"
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def _memory_profile(self) -> Profile:
@@ -535,7 +535,7 @@ class Profiler:
         assert self.speed is not None
         moved = self.timed_with.moved_flops if self.timed_with is not None else 0.0
         steps = TimedSteps(self.times, *self.timing, self._described().strip(), moved)
-        fit_time_model(prof, self.speed, steps, self.timed_block, self.block_times)
+        fit_time_model(prof, self.speed, steps, self.timed_block, self.block_times, self.split_times)
 
     def notes(self) -> list[str]:
         name = type(self.model).__name__

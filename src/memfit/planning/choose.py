@@ -60,10 +60,10 @@ TIE = 0.02
 #: far the timings spread (See Note [plans repeat]).
 NOISE_CAP = 0.5
 #: How far off what micro-batches add to a plan can be, as a fraction of it, however the
-#: rounds agreed: splitting is timed on one block and its price carried to every other
-#: (benchmarks/RESULTS.md: the CNN at 35% in 64 micro-batches measured 1.29x its prediction)
+#: rounds agreed: splitting is timed on the whole step in a few counts, taken linear in
+#: between, and a recompute pays the step's ratio rather than its block's
 #: (See Note [plans repeat]).
-MICRO_CARRIED = 0.3
+MICRO_CARRIED = 0.1
 
 
 def candidate_precisions(precision: str | Sequence[str], device: torch.device) -> list[PrecisionName]:
@@ -137,14 +137,14 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # plans tie where their times differ by less than TIE of a step plus that spread of both
 # plans' extras over the whole batch at its cheapest (solver.as_fast: a price off by that
 # fraction moves each extra by as much; in the final choice, the larger of that spread and
-# the micro-batch rounds', below). What micro-batches cost is timed as the block in
-# them over the block whole, round by round, so a plan in micro-batches is uncertain by
+# the micro-batch rounds', below). What micro-batches cost is timed as the step in
+# them over the step whole, round by round, so a plan in micro-batches is uncertain by
 # those rounds' spread (Speed.micro_spread) of its whole time, not only of what splitting
 # adds, or by the spread of the checkpointing rounds where that is larger (both sets of
-# rounds ran moments apart on one block: either scattering says the machine is loaded, and a
-# few rounds can agree by chance), plus MICRO_CARRIED of what splitting adds (the price
-# timed on one block is carried to blocks it was not timed on). So micro-batches replace a
-# whole-batch plan only where clearly faster.
+# rounds ran moments apart: either scattering says the machine is loaded, and a few rounds
+# can agree by chance), plus MICRO_CARRIED of what splitting adds (the counts between those
+# timed are interpolated). So micro-batches replace a whole-batch plan only where clearly
+# faster.
 # Among ties the key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -201,7 +201,7 @@ def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, 
     if sp is not None:
         split = seconds if micro > 1 else 0.0  # See Note [plans repeat]
         machine = max(sp.spread, sp.micro_spread)  # the rounds of one moment: the machine's noise
-        carried = MICRO_CARRIED * max(0.0, seconds - whole)  # a price timed on one block, carried
+        carried = MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
         uncertain = min(NOISE_CAP, machine) * (checkpointing + split) + carried
     counted = [counted_work(prof, o) for o in sol.options]
     # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])

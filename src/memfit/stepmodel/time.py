@@ -143,27 +143,27 @@ def option_seconds(
 # Note [what a micro-batch costs]
 # Splitting the batch into k micro-batches keeps its FLOPs and bytes (the parts add up to
 # the batch) but runs every op k times, on fewer rows: each part pays its fixed cost per call
-# k times, and kernels run less efficiently on fewer rows (a CNN's convolutions on one image
-# are several times slower per image than on 64); a checkpointed block pays again in its
-# recompute, the gradients are accumulated k - 1 times (each read twice and written once),
-# and the optimizer step runs once. What splitting costs the heaviest distinct block is
-# measured: it runs alone whole, in 2 micro-batches, in as many as it has rows and in a count
-# between (the runs back to back, side by side with the whole one; Speed.micro_batches,
-# micro_batch_ratios),
-# linear in k between those (a call's ``a + b * rows`` makes k calls cost ``k * a + b *
-# rows``). Every other part pays in proportion to its share of
-# counted ops (what does not shrink with the rows) over the timed block's: a stem of a few
-# large convolutions less, a part of many small ops more, and never more than running whole
-# once per extra micro-batch. Never less either than its counted ops dispatched again once
-# per extra micro-batch: a timed ratio below that (on a loaded machine the block whole and
-# split can fall in different moments) is a disturbed timing, and without a measurement
-# those counted ops alone are the price. A
-# plan in k micro-batches costs its whole-batch time plus that: priced like everything else,
-# never free, so the chooser weighs micro-batches against checkpointing wherever both fit.
+# k times, and kernels run less efficiently on fewer rows, each kind of block differently (a
+# CNN's early convolutions, many pixels and few channels, barely notice a batch of one image;
+# its late ones run several times slower per image); a checkpointed block pays again in its
+# recompute, the gradients are accumulated k - 1 times (each read twice and written once:
+# in the timed ratio, else priced by its bytes), and the optimizer step runs once. What
+# splitting costs is measured on the step itself: its forward and backward run whole, in 2
+# micro-batches, in as many as it has rows and in a count between, the counts side by side
+# with the whole run of their round (Speed.micro_batches,
+# micro_batch_ratios; memfit/measuring/split_timing.py), linear in k between those (a call's
+# ``a + b * rows`` makes k calls cost ``k * a + b * rows``). Every part pays that ratio of its
+# whole time (one block timed split and carried to the others missed a CNN by 1.4x), and a
+# checkpointed block pays it again on its recompute. Never less than its counted ops
+# dispatched again once per extra micro-batch (a ratio below that is a disturbed timing, and
+# without a measurement those ops alone are the price), never more than running whole once
+# per extra micro-batch. A plan in k micro-batches costs its whole-batch time plus that:
+# priced like everything else, never free, so the chooser weighs micro-batches against
+# checkpointing wherever both fit.
 
 
 def micro_batch_ratio(speed: Speed, micro_batches: int) -> float | None:
-    """The timed block's seconds in ``micro_batches`` over whole: measured, or between the counts
+    """The step's seconds in ``micro_batches`` over whole: measured, or between the counts
     measured linear in k (a part's ``a + b * rows`` per call makes k calls cost ``k * a + b *
     rows``), on from the last two beyond them (None: none measured).
 
@@ -194,15 +194,9 @@ def call_seconds(profile: Profile, part: BlockStats, micro_batches: int) -> floa
     if sp is None or micro_batches <= 1:
         return 0.0
     whole = (sp.forward_scale + sp.backward_scale) * forward_work(profile, part)
-    share = _ops_share(profile, part)
+    dispatched = (micro_batches - 1) * _ops_share(profile, part)  # every op again: the least
     ratio = micro_batch_ratio(sp, micro_batches)
-    timed = next((b for b in profile.blocks if b.name == sp.timed_block), None)
-    timed_share = _ops_share(profile, timed) if timed is not None else 0.0
-    dispatched = (micro_batches - 1) * share  # every op again: the least splitting adds
-    if ratio is None or timed_share <= 0:
-        added = dispatched
-    else:
-        added = max(dispatched, (ratio - 1) * share / timed_share)
+    added = dispatched if ratio is None else max(dispatched, ratio - 1)
     return whole * min(micro_batches - 1, added)
 
 
@@ -216,8 +210,11 @@ def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batche
         >>> sp = Speed(flop_seconds=1.0, op_seconds=1.0, byte_seconds=0.01, forward_scale=1.0,
         ...            backward_scale=2.0, timed_block="b0", micro_batches=[4], micro_batch_ratios=[1.6])
         >>> prof = Profile("fp32", "cpu", 4, [b], BlockStats("outside"), 0, 100, 0, 0, speed=sp)
-        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)  # 0.6 x 300 s + 3 x 300 B
-        189.0
+        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)  # 0.6 x 300 s
+        180.0
+        >>> sp.micro_batches, sp.micro_batch_ratios = [], []  # not timed: 3 x 10 s of ops, 3 x 300 B
+        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)
+        99.0
     """
     sp = profile.speed
     if micro_batches <= 1 or sp is None:
@@ -228,7 +225,7 @@ def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batche
         again = forward_share if o.segment or o.mode != "none" else 0.0
         blocks = profile.blocks[o.first : o.last + 1]
         added += (1 + again) * sum(call_seconds(profile, b, micro_batches) for b in blocks)
-    accumulate = 3 * profile.grad_bytes * sp.byte_seconds
+    accumulate = 0.0 if sp.micro_batches else 3 * profile.grad_bytes * sp.byte_seconds  # timed: in the ratio
     return added + (micro_batches - 1) * accumulate
 
 
@@ -294,4 +291,4 @@ def _micro_note(sp: Speed) -> str:
     measured = ", ".join(
         f"{r:.2f}x in {k}" for k, r in zip(sp.micro_batches, sp.micro_batch_ratios, strict=True)
     )
-    return f"; {sp.timed_block} ran {measured} micro-batches of its time whole (the other parts by their ops)"
+    return f"; the step's forward and backward ran {measured} micro-batches of their time whole"
