@@ -18,6 +18,7 @@ from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.planning.measure import _chunked_head, measure
 from memfit.planning.request import Request, resolve_request
 from memfit.precision import Precision
+from memfit.records import HeadFacts
 from memfit.step import training_step
 from memfit.stepmodel import simulate
 
@@ -41,7 +42,7 @@ def _full_peaks(request: Request) -> tuple[int, int]:
         prof.none()
         prof.modes(["full"])
         plain = prof._memory_profile()
-        lever = _chunked_head(r, "fp32")
+        lever = _chunked_head(r, "fp32", {})
         assert lever is not None
         return simulate(plain, "full").peak_bytes, simulate(lever.predict(plain), "full").peak_bytes
 
@@ -60,9 +61,11 @@ def test_a_budget_only_the_chunked_head_fits_times_steps_with_it_and_within_the_
     assert "the loss head in chunks of" in line, line
     assert "the loss head in chunks" in (found.profiles["fp32"].speed.timed_as or "")  # type: ignore[union-attr]
     assert chunked_head_of(request.model) is None  # taken off after timing
+    # the head's facts measured to make the lever are kept for the lever facts to reuse
+    heads: dict[str, HeadFacts] = {}
+    lever = _chunked_head(request, "fp32", heads)
+    assert lever is not None and found.head["fp32"] == heads["fp32"]
     # the configuration timed, run again under MemTracker, keeps within the budget
-    lever = _chunked_head(request, "fp32")
-    assert lever is not None
     if "fully checkpointed" in line:
         set_block_modes(request.model, dict.fromkeys(request.blocks, "full"))
     with lever.applied(), MemTracker() as tracker:
@@ -77,7 +80,7 @@ def test_without_the_lever_allowed_the_same_budget_times_the_plain_head_in_the_r
     found = measure(dataclasses.replace(_request(within, None), steps_within=within))
     line = _timed_line(found.lines)
     assert "fully checkpointed (the plain step does not fit)" in line, line
-    assert "in chunks" not in line
+    assert "in chunks" not in line and not found.head
 
 
 def test_the_heads_gradient_work_timed_in_the_forward_is_moved_back() -> None:

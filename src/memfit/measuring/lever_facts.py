@@ -551,6 +551,7 @@ def attach_lever_facts(
     step: tuple[Any, Callable[..., Any]] | None = None,
     levers: Sequence[str] = (),
     head_chunked: bool = False,
+    head: HeadFacts | None = None,
 ) -> Profile:
     """Set ``profile.lever_facts`` and ``profile.weights`` from ``model`` (returns ``profile``);
     with ``step=(batch, loss_fn)`` also the loss head's (:func:`head_facts`), and with
@@ -559,10 +560,11 @@ def attach_lever_facts(
     only where the lever may be chosen), and with ``offload`` the host link's speeds
     (:func:`memfit.measuring.long_context.host_link_facts`). ``head_chunked``: the step's
     forwards run with the loss head in chunks
-    (See Note [the step's forwards with the head in chunks])."""
+    (See Note [the step's forwards with the head in chunks]). ``head``: the head's facts where
+    they were measured already (for this step and precision)."""
     profile.lever_facts = lever_facts(model, optimizer, blocks)
     if step is not None:
-        profile.lever_facts.head = head_facts(model, step[0], step[1], profile.precision)
+        profile.lever_facts.head = head or head_facts(model, step[0], step[1], profile.precision)
     if step is not None and TILED_MLP.name in levers:
         profile.lever_facts.tiled_mlp = tiled_mlp_facts(model, step[0], step[1], profile.precision)
     if OFFLOAD.name in levers:

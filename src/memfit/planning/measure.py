@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from memfit.applying.chunked_loss import CHUNKED_LOSS
@@ -37,7 +37,7 @@ from memfit.planning.choose import TIE, fixed_bytes_message, plan_from_profiles
 from memfit.planning.notes import complete_profile
 from memfit.planning.request import Request
 from memfit.precision import Precision
-from memfit.records import LeverFacts, Profile
+from memfit.records import HeadFacts, LeverFacts, Profile
 from memfit.stepmodel import simulate
 from memfit.vocab import CHECKPOINT_MODES
 
@@ -60,6 +60,9 @@ class Measured:
     budget_bytes: int
     lines: tuple[str, ...]
     """What was run, one line each (for the plan's report)."""
+    head: Mapping[str, HeadFacts] = field(default_factory=dict)
+    """The loss head's facts per precision, where they were measured to time steps with the
+    head in chunks (the lever facts reuse them)."""
 
 
 def measure(request: Request, given: Mapping[str, Profile] | None = None) -> Measured:
@@ -98,8 +101,9 @@ def _refuse_fixed(request: Request, budget_bytes: int, estimated: int = 0) -> No
         raise InfeasibleBudget(fixed_bytes_message(fixed, budget_bytes, name, detail), fixed, budget_bytes)
 
 
-def _profilers(request: Request) -> tuple[dict[str, Profiler], Profiler]:
-    """A profiler per precision of the request, and the fp32 one the baseline comes from."""
+def _profilers(request: Request, heads: dict[str, HeadFacts]) -> tuple[dict[str, Profiler], Profiler]:
+    """A profiler per precision of the request, and the fp32 one the baseline comes from; the
+    loss head's facts measured to time with it in chunks go into ``heads``."""
 
     def profiler(p: str) -> Profiler:
         precision = Precision(p, device=request.device)  # type: ignore[arg-type]
@@ -108,19 +112,21 @@ def _profilers(request: Request) -> tuple[dict[str, Profiler], Profiler]:
         prof.within = r.steps_within
         # See Note [timing with a lever] in memfit/measuring/timing_lever.py
         if CHUNKED_LOSS.name in r.levers:
-            prof.lean = partial(_chunked_head, r, p)
+            prof.lean = partial(_chunked_head, r, p, heads)
         return prof
 
     profilers: dict[str, Profiler] = {p: profiler(p) for p in request.precisions}
     return profilers, profilers.get("fp32") or profiler("fp32")
 
 
-def _chunked_head(request: Request, precision: str) -> TimingLever | None:
-    """The loss head in chunks, to time steps with (None: the lever cannot run on this step)."""
+def _chunked_head(request: Request, precision: str, heads: dict[str, HeadFacts]) -> TimingLever | None:
+    """The loss head in chunks, to time steps with (None: the lever cannot run on this step);
+    its facts kept in ``heads``."""
     model = request.model
     facts = head_facts(model, request.batch, request.loss_fn, precision)
     if facts is None or facts.refused:
         return None
+    heads[precision] = facts
 
     def predict(prof: Profile) -> Profile:
         return with_levers(replace(prof, lever_facts=LeverFacts(head=facts)), [CHUNKED_LOSS.name])
@@ -136,7 +142,8 @@ def _profiles(request: Request, complete: bool) -> Measured:
     create_optimizer_state(request.model, request.optimizer)
     if request.budget.bytes is not None:
         _refuse_fixed(request, request.budget.bytes)
-    profilers, base = _profilers(request)
+    heads: dict[str, HeadFacts] = {}
+    profilers, base = _profilers(request, heads)
     if request.budget.is_fraction:
         estimate = base.estimated_peak() if request.room is not None else None
         estimate = estimate if estimate is not None else base.quick_peak()
@@ -160,7 +167,7 @@ def _profiles(request: Request, complete: bool) -> Measured:
     _checkpointed(profilers, done, budget_bytes, complete)
     for prof in profilers.values():
         lines += prof.measured
-    return Measured({p: done[p] for p in request.precisions}, baseline, budget_bytes, tuple(lines))
+    return Measured({p: done[p] for p in request.precisions}, baseline, budget_bytes, tuple(lines), heads)
 
 
 def _checkpointed(

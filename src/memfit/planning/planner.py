@@ -78,7 +78,10 @@ def _choose(request: Request, measured: Measured) -> tuple[Chosen, dict[str, str
     for prof in profs.values() if allowed else []:
         chunked = chunkable and prof.memory_from != "tracked"
         with progress.phase(f"{prof.precision}: what the levers change (the loss head, frozen weights)"):
-            attach_lever_facts(prof, request.model, request.optimizer, request.blocks, step, allowed, chunked)
+            head = measured.head.get(prof.precision)
+            attach_lever_facts(
+                prof, request.model, request.optimizer, request.blocks, step, allowed, chunked, head
+            )
     allowed, refused = usable_levers(profs, allowed)
     result, used = plan_with_levers(profs, measured.budget_bytes, measured.baseline, allowed, request.split)
     lines: list[str] = []
