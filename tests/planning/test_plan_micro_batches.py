@@ -13,8 +13,9 @@ import torch
 
 from memfit.measuring.prices import fit_prices, fit_split, micro_label
 from memfit.measuring.profile import profile
-from memfit.measuring.split_timing import split_counts, time_split_steps
+from memfit.measuring.split_timing import split_counts, split_seconds, time_split_steps
 from memfit.planning.choose import plan_from_profiles
+from memfit.precision import Precision
 from memfit.records import BlockStats, Profile, Speed
 from memfit.stepmodel import (
     fill_times,
@@ -63,21 +64,21 @@ def test_what_micro_batches_add_grows_with_their_number_and_is_predicted() -> No
     assert added[0] == 0.0 and 0 < added[1] < added[2] < added[3]
     # in 8 micro-batches each block costs 0.7 of its time more, as the step measured; the
     # outside, all dispatch (ops, no FLOPs), its whole time again per micro-batch (the least);
-    # the gradients' accumulation is in the step's measured ratio
+    # the gradients are accumulated 7 times
     sp = prof.speed
     assert sp is not None
     blocks = sum(b.forward_seconds + b.backward_seconds["none"] for b in prof.blocks)
     outside = (sp.forward_scale + sp.backward_scale) * prof.outside.forward_ops * sp.op_seconds
-    assert added[3] == pytest.approx(0.7 * blocks + 7 * outside)
+    accumulated = 7 * 3 * prof.grad_bytes * sp.byte_seconds
+    assert added[3] == pytest.approx(0.7 * blocks + 7 * outside + accumulated)
     assert predict_step_seconds(prof, "none", 4) == pytest.approx(
         predict_step_seconds(prof, "none") + added[2]
     )
     # a checkpointed block repeats its forward's calls in the recompute too
     assert micro_batch_seconds(prof, tiling(prof, "full"), 2) > added[1]
-    # not measured: every op dispatched again, and the gradients accumulated 7 times
+    # not measured: every op dispatched again
     sp.micro_batches, sp.micro_batch_ratios = [], []
     ops = (sp.forward_scale + sp.backward_scale) * sp.op_seconds * sum(b.forward_ops for b in prof.blocks)
-    accumulated = 7 * 3 * prof.grad_bytes * sp.byte_seconds
     expected = 7 * ops + 7 * outside + accumulated
     assert micro_batch_seconds(prof, tiling(prof, "none"), 8) == pytest.approx(expected)
 
@@ -158,10 +159,34 @@ def test_the_step_is_timed_whole_and_split_side_by_side() -> None:
         calls.append(k)
         return float(k)
 
-    times = time_split_steps(timed, split_counts(4), rounds=3)
-    assert calls == [1, 2, 4] * 3  # each round: whole, then every count
+    times, why = time_split_steps(timed, split_counts(4), rounds=3)
+    assert calls == [1, 2, 4] * 3 and why == ""  # each round: whole, then every count
     assert times == {"none": [1.0] * 3, micro_label(2): [2.0] * 3, micro_label(4): [4.0] * 3}
-    assert time_split_steps(timed, split_counts(1), rounds=3) == {}  # one row: nothing to split
+    assert time_split_steps(timed, split_counts(1), rounds=3) == ({}, "")  # one row: nothing to split
+
+    def fails(k: int) -> float:
+        raise ValueError("the batch cannot be split")
+
+    assert time_split_steps(fails, [2], rounds=3) == ({}, "ValueError: the batch cannot be split")
+
+
+def test_a_count_is_timed_on_a_quarter_of_the_rows_gradients_accumulating() -> None:
+    """``split_seconds`` runs the first quarter of the micro-batches (all of them whole), their
+    gradients accumulating as a split step's do, and scales the seconds to all."""
+    model = torch.nn.Linear(4, 1)
+    rows: list[int] = []
+    model.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+
+    def loss(m: torch.nn.Module, b: tuple[torch.Tensor]) -> torch.Tensor:
+        return m(b[0]).pow(2).mean()
+
+    batch = (torch.randn(16, 4),)
+    # 6 parts, not a multiple of 4: the first half of the rows in 3 (torch.chunk: 3, 3, 2)
+    for parts, ran in [(1, [16]), (2, [8]), (8, [2, 2]), (16, [1] * 4), (6, [3, 3, 2])]:
+        rows.clear()
+        assert split_seconds(model, batch, loss, Precision("fp32"), parts) > 0
+        assert rows == ran, parts
+    assert model.weight.grad is None  # nothing left behind
 
 
 def test_a_profile_times_its_step_in_micro_batches() -> None:

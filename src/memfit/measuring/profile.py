@@ -39,6 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -74,7 +75,7 @@ from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.prices import TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
 from memfit.measuring.speed import device_speed
-from memfit.measuring.split_timing import split_counts, time_split_steps
+from memfit.measuring.split_timing import configured, split_counts, split_seconds, time_split_steps
 from memfit.measuring.timing_lever import TimingLever
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision, as_precision
@@ -416,16 +417,12 @@ class Profiler:
                 torch.cuda.synchronize(device)
             marks[name] = time.perf_counter()
 
-        uncheckpoint(self.model)
-        if mode != "none":
-            set_block_modes(self.model, dict.fromkeys(self.blocks, mode))
-        with self.timed_with.applied() if self.timed_with is not None else nullcontext():
+        with configured(self.model, self.blocks, mode, self.timed_with):
             mark("start")
             m, b, lf, opt, prec = self.model, self.batch, self.loss_fn, self.optimizer, self.precision
             fwd, bwd = (lambda: mark("forward")), (lambda: mark("backward"))
             training_step(m, b, lf, opt, prec, micro_batches, after_forward=fwd, after_backward=bwd)
             mark("end")
-        uncheckpoint(self.model)
         forward = (marks["forward"] - marks["start"]) * micro_batches  # the first part's, times the parts
         return forward, marks["backward"] - marks["start"] - forward, marks["end"] - marks["start"]
 
@@ -491,11 +488,12 @@ class Profiler:
             what += f" and {heaviest} alone {len(found['none'])} times in each of {', '.join(modes)}"
         mode, parts = self.timing  # the step split: its counts are of the timed micro-batch's rows
         counts = split_counts(-(-batch_size(self.batch) // parts))
-        with every_layer_runs(self.model):
-            fb = lambda k: sum(self._timed(mode, parts * k)[:2])  # noqa: E731
-            self.split_times = split = time_split_steps(fb, counts, rounds, within)
-        if split:
-            what += f", the step in {' and '.join(map(str, counts))} micro-batches {len(split['none'])} times"
+        with configured(self.model, self.blocks, mode, self.timed_with), every_layer_runs(self.model):
+            fb = partial(split_seconds, self.model, self.batch, self.loss_fn, self.precision)
+            self.split_times, why = time_split_steps(lambda k: fb(parts * k), counts, rounds, within)
+        if self.split_times:
+            what += f", the step in {' and '.join(map(str, counts))} micro-batches {rounds} times"
+        what += f"; the step could not be split ({why}): micro-batches priced by their ops" if why else ""
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
     def _memory_profile(self) -> Profile:

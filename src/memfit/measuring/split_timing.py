@@ -8,28 +8,40 @@ others missed that by 1.4x on a ResNet-18-style CNN (issue 36), so the step's fo
 backward are timed whole and in a few counts of micro-batches, round by round, the counts
 side by side with the whole run of their round: every part of the step is in the ratio.
 
-Trade-off: a whole step per count and round costs planning time (bounded by ``within``
-seconds after :data:`MIN_ROUNDS` rounds); the ratio is the step's as a whole, so a
-checkpointed block's recompute is priced at the step's ratio, not its own.
+Trade-off: planning time. A count of k micro-batches is timed on a quarter of the batch's
+rows (k / 4 of them, gradients accumulating, as a split step runs them; half or one where
+k is not a multiple of 4) and scaled to the whole, so a round costs about two steps; timing
+stops after ``within`` seconds once :data:`MIN_ROUNDS` rounds ran. The ratio is the step's
+as a whole, so a checkpointed block's recompute is priced at the step's ratio, not its own.
 
 Example:
     >>> counts = split_counts(32)
     >>> counts
     [2, 8, 32]
     >>> seconds = {1: 1.0, 2: 1.1, 8: 1.3, 32: 2.0}
-    >>> times = time_split_steps(lambda k: seconds[k], counts, rounds=3)
-    >>> times["none"], times["micro-batches: 32"]
-    ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0])
+    >>> times, why = time_split_steps(lambda k: seconds[k], counts, rounds=3)
+    >>> times["none"], times["micro-batches: 32"], why
+    ([1.0, 1.0, 1.0], [2.0, 2.0, 2.0], '')
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+
+import torch
+from torch import nn
 
 from memfit import progress
+from memfit.checkpointing import set_block_modes, uncheckpoint
+from memfit.devices import model_device
 from memfit.measuring.prices import micro_label
+from memfit.measuring.timing_lever import TimingLever
+from memfit.precision import Precision
+from memfit.step import Batch, LossFn, split_batch, training_step
+from memfit.vocab import CheckpointMode
 
 #: The most micro-batches a step is timed in (a batch of more rows, in the fewest rows of a
 #: micro-batch that keep it at most this many).
@@ -37,7 +49,14 @@ MOST_MICRO_BATCHES = 64
 #: Rounds the step is timed in at least, however long they take.
 MIN_ROUNDS = 3
 
-__all__ = ["MIN_ROUNDS", "MOST_MICRO_BATCHES", "split_counts", "time_split_steps"]
+__all__ = [
+    "MIN_ROUNDS",
+    "MOST_MICRO_BATCHES",
+    "configured",
+    "split_counts",
+    "split_seconds",
+    "time_split_steps",
+]
 
 
 def split_counts(rows: int) -> list[int]:
@@ -59,24 +78,70 @@ def split_counts(rows: int) -> list[int]:
 
 def time_split_steps(
     timed: Callable[[int], float], counts: Sequence[int], rounds: int, within: float = math.inf
-) -> dict[str, list[float]]:
-    """Seconds of ``timed(k)`` (the step's forward and backward in k micro-batches) per round:
-    whole under ``"none"`` and in each of ``counts`` under
-    :func:`~memfit.measuring.prices.micro_label`, the i-th entries of one round, taken side
-    by side. Stops after the round in which ``within`` seconds have passed, once
-    :data:`MIN_ROUNDS` were timed (fewer where ``rounds`` is less).
+) -> tuple[dict[str, list[float]], str]:
+    """Seconds of ``timed(k)`` (the step's forward and backward in k micro-batches) per round,
+    and ``""``: whole under ``"none"`` and in each of ``counts`` under
+    :func:`~memfit.measuring.prices.micro_label`, the i-th entries of one round taken side by
+    side; or nothing and why the step could not be split. Stops after the round in which
+    ``within`` seconds have passed, once :data:`MIN_ROUNDS` were timed (fewer where ``rounds``
+    is less).
     """
-    times: dict[str, list[float]] = {"none": [], **{micro_label(k): [] for k in counts}}
     if not counts:
-        return {}
+        return {}, ""
+    times: dict[str, list[float]] = {"none": [], **{micro_label(k): [] for k in counts}}
     began = time.perf_counter()
     shown = progress.phase(f"timing the step in {', '.join(map(str, counts))} micro-batches", total=rounds)
-    with shown as ph:
-        for r in range(rounds):
-            times["none"].append(timed(1))
-            for k in counts:
-                times[micro_label(k)].append(timed(k))
-            ph.advance()
-            if r + 1 >= MIN_ROUNDS and time.perf_counter() - began > within:
-                break
-    return times
+    try:
+        with shown as ph:
+            for r in range(rounds):
+                times["none"].append(timed(1))
+                for k in counts:
+                    times[micro_label(k)].append(timed(k))
+                ph.advance()
+                if r + 1 >= MIN_ROUNDS and time.perf_counter() - began > within:
+                    break
+    except Exception as exc:  # a batch the model cannot take in parts: splitting priced by its ops
+        return {}, f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}"
+    return times, ""
+
+
+@contextmanager
+def configured(
+    model: nn.Module, blocks: Sequence[str], mode: CheckpointMode, lever: TimingLever | None
+) -> Iterator[None]:
+    """Every block of ``blocks`` in ``mode`` and ``lever`` on while the body runs (a timing
+    configuration); nothing checkpointed after."""
+    uncheckpoint(model)
+    if mode != "none":
+        set_block_modes(model, dict.fromkeys(blocks, mode))
+    try:
+        with lever.applied() if lever is not None else nullcontext():
+            yield
+    finally:
+        uncheckpoint(model)
+
+
+def split_seconds(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision, parts: int) -> float:
+    """The forward and backward of ``batch`` in ``parts`` micro-batches, in seconds: all of them
+    for one part, else the first quarter of them (a half, or one, where ``parts`` is not a
+    multiple of 4), gradients accumulating, scaled to all.
+
+    Example:
+        >>> model = nn.Linear(4, 1)
+        >>> loss = lambda m, b: m(b[0]).pow(2).mean()
+        >>> split_seconds(model, (torch.ones(8, 4),), loss, Precision("fp32"), 4) > 0
+        True
+    """
+    share = next(d for d in (4, 2, 1) if parts % d == 0) if parts > 1 else 1
+    first = split_batch(batch, share)[0] if share > 1 else batch
+    device = model_device(model)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    training_step(model, first, loss_fn, None, precision, parts // share)
+    if cuda:
+        torch.cuda.synchronize(device)
+    took = time.perf_counter() - start
+    model.zero_grad(set_to_none=True)
+    return took * share

@@ -146,8 +146,8 @@ def option_seconds(
 # k times, and kernels run less efficiently on fewer rows, each kind of block differently (a
 # CNN's early convolutions, many pixels and few channels, barely notice a batch of one image;
 # its late ones run several times slower per image); a checkpointed block pays again in its
-# recompute, the gradients are accumulated k - 1 times (each read twice and written once:
-# in the timed ratio, else priced by its bytes), and the optimizer step runs once. What
+# recompute, the gradients are accumulated k - 1 times (each read twice and written once,
+# priced by its bytes), and the optimizer step runs once. What
 # splitting costs is measured on the step itself: its forward and backward run whole, in 2
 # micro-batches, in as many as it has rows and in a count between, the counts side by side
 # with the whole run of their round (Speed.micro_batches,
@@ -210,9 +210,9 @@ def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batche
         >>> sp = Speed(flop_seconds=1.0, op_seconds=1.0, byte_seconds=0.01, forward_scale=1.0,
         ...            backward_scale=2.0, timed_block="b0", micro_batches=[4], micro_batch_ratios=[1.6])
         >>> prof = Profile("fp32", "cpu", 4, [b], BlockStats("outside"), 0, 100, 0, 0, speed=sp)
-        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)  # 0.6 x 300 s
-        180.0
-        >>> sp.micro_batches, sp.micro_batch_ratios = [], []  # not timed: 3 x 10 s of ops, 3 x 300 B
+        >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)  # 0.6 x 300 s + 3 x 300 B
+        189.0
+        >>> sp.micro_batches, sp.micro_batch_ratios = [], []  # not timed: 3 x 30 s of ops
         >>> round(micro_batch_seconds(prof, tiling(prof, "none"), 4), 6)
         99.0
     """
@@ -225,7 +225,7 @@ def micro_batch_seconds(profile: Profile, chosen: Sequence[Option], micro_batche
         again = forward_share if o.segment or o.mode != "none" else 0.0
         blocks = profile.blocks[o.first : o.last + 1]
         added += (1 + again) * sum(call_seconds(profile, b, micro_batches) for b in blocks)
-    accumulate = 0.0 if sp.micro_batches else 3 * profile.grad_bytes * sp.byte_seconds  # timed: in the ratio
+    accumulate = 3 * profile.grad_bytes * sp.byte_seconds
     return added + (micro_batches - 1) * accumulate
 
 
