@@ -33,13 +33,12 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import statistics
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from functools import partial
+from functools import cached_property, partial
 from typing import Any
 
 import torch
@@ -386,7 +385,7 @@ class Profiler:
             budget_bytes=start + free,
         )
 
-    @functools.cached_property
+    @cached_property
     def _lean_lever(self) -> TimingLever | None:  # made once
         return self.lean() if self.lean is not None else None
 
@@ -492,7 +491,8 @@ class Profiler:
             fb = partial(split_seconds, self.model, self.batch, self.loss_fn, self.precision)
             self.split_times, why = time_split_steps(lambda k: fb(parts * k), counts, rounds, within)
         if self.split_times:
-            what += f", the step in {' and '.join(map(str, counts))} micro-batches {rounds} times"
+            ran = len(self.split_times["none"])
+            what += f", the step in {' and '.join(map(str, counts))} micro-batches {ran} times"
         what += f"; the step could not be split ({why}): micro-batches priced by their ops" if why else ""
         self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
 
