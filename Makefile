@@ -19,7 +19,8 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estim
 	tests/integrations/test_peft_train.py tests/integrations/test_peft_refusals.py \
 	tests/integrations/test_order_zoo.py tests/integrations/test_hf_checkpointing_spelling.py \
 	tests/checkpointing_ported/test_ported_transformers.py tests/test_docs_names.py \
-	tests/integrations/test_tiled_mlp_hf.py tests/integrations/test_twin_hf_mask.py
+	tests/integrations/test_tiled_mlp_hf.py tests/integrations/test_twin_hf_mask.py \
+	tests/integrations/test_longest_sequence_hf.py
 # The newest releases a user gets today (requirements-newest.txt: torch 2.15.0, transformers 5.25.0,
 # accelerate 1.16.0, peft, torchao) in a third environment, and a small suite run there: checkpointing
 # exactness (saved-tensor hooks included), plan + prepare + train_step, estimate, the Hugging Face
