@@ -156,14 +156,13 @@ class Speed(Record):
     micro_spread: float = 0.0
     """How far the rounds ``micro_batch_ratios`` were fitted to disagree (half their range
     over their median, the largest): a plan in micro-batches is that uncertain as a whole
-    (what its block costs split is timed against what it costs whole, so the noise of both
-    is in it)."""
+    (the step split is timed against the step whole, so the noise of both is in it)."""
     micro_batches: list[int] = field(default_factory=list)
-    """Micro-batch counts ``timed_block`` was run alone in (its rows split evenly, the runs back
-    to back), side by side with it run whole (empty: not measured)."""
+    """Micro-batch counts the step's forward and backward were timed in (its rows split
+    evenly; memfit/measuring/split_timing.py), side by side with it whole (empty: not measured)."""
     micro_batch_ratios: list[float] = field(default_factory=list)
     """Its seconds in each of those counts over its seconds whole: what splitting the batch
-    costs it (dispatch again, kernels less efficient on fewer rows).
+    costs the step (dispatch again, kernels less efficient on fewer rows).
     See Note [what a micro-batch costs] in memfit/stepmodel/time.py."""
 
 
