@@ -333,6 +333,8 @@ def fit_time_model(
             fit_prices(prof, timed_block, times, steps.micro_batches)
         fit_split(prof, split_times or {}, steps.micro_batches)
         plain = _as_plain(prof, steps, *step)
+    if sp.micro_batches:  # See Note [a load that moves] in memfit/planning/choose.py
+        sp.micro_spread = max(sp.micro_spread, spread_of([t[2] for t in steps.times]))
     sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
     prof.step_seconds, sp.timed_as = plain[2], steps.described
     fill_times(prof)

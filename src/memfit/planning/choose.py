@@ -142,9 +142,10 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # those rounds' spread (Speed.micro_spread) of its whole time, not only of what splitting
 # adds, or by the spread of the checkpointing rounds where that is larger (both sets of
 # rounds ran moments apart: either scattering says the machine is loaded, and a few rounds
-# can agree by chance), plus MICRO_CARRIED of what splitting adds (the counts between those
-# timed are interpolated). So micro-batches replace a whole-batch plan only where clearly
-# faster.
+# can agree by chance; See Note [a load that moves]), plus MICRO_CARRIED of what splitting
+# adds (the counts between those timed are interpolated). NOISE_CAP does not bound that
+# spread here: no count orders a split against a checkpoint. So micro-batches replace a
+# whole-batch plan only where clearly faster.
 # Among ties the key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -165,6 +166,19 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # still fall either way.
 
 
+# Note [a load that moves]
+# On a loaded machine the load does not hold still: measured on this project's 2-core
+# machine with two spinning processes started, a small LoRA step ran in 0.03-0.14 s for
+# the first seconds and then in 1.27 s, and what splitting costs moved with it (2
+# micro-batches 1.54x the step whole, then 2.0x). The step's split rounds and the block's
+# rounds alone run at different moments of the profile, so a plan in micro-batches (priced
+# from the one) set against checkpointing (priced from the other) compares two moments of
+# the load. The whole steps timed across the profile (at its start and between) see the
+# load move, so their spread widens Speed.micro_spread where it is larger than the split
+# rounds' own: a micro-batch plan then replaces a whole-batch plan only where it is faster
+# at every moment the profile saw.
+
+
 class _Found(NamedTuple):
     """A candidate plan, with what the choice among candidates reads."""
 
@@ -172,9 +186,9 @@ class _Found(NamedTuple):
     """Predicted step seconds."""
     uncertain: float
     """How far timing noise can move them: checkpointing's extra over every block at its
-    cheapest and, in micro-batches, the whole time, times the larger spread of the rounds
-    (at most :data:`NOISE_CAP`); plus :data:`MICRO_CARRIED` of what micro-batches add
-    (See Note [plans repeat])."""
+    cheapest, times the larger spread of the rounds (at most :data:`NOISE_CAP`), and, in
+    micro-batches, the whole time times that spread (at most 1); plus :data:`MICRO_CARRIED`
+    of what micro-batches add (See Note [plans repeat])."""
     work: tuple[int, int]
     """What its options add, counted (:func:`~memfit.planning.solver.counted_work`), and the
     forward ops its micro-batches after the first dispatch again (with selective's ops)."""
@@ -202,7 +216,8 @@ def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, 
         split = seconds if micro > 1 else 0.0  # See Note [plans repeat]
         machine = max(sp.spread, sp.micro_spread)  # the rounds of one moment: the machine's noise
         carried = MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
-        uncertain = min(NOISE_CAP, machine) * (checkpointing + split) + carried
+        # the cap keeps checkpointing extras three times apart told apart; a split has no such count
+        uncertain = min(NOISE_CAP, machine) * checkpointing + min(1.0, machine) * split + carried
     counted = [counted_work(prof, o) for o in sol.options]
     # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])
     repeated = (micro - 1) * (sum(b.forward_ops for b in prof.blocks) + prof.outside.forward_ops)

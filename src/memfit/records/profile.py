@@ -156,7 +156,10 @@ class Speed(Record):
     micro_spread: float = 0.0
     """How far the rounds ``micro_batch_ratios`` were fitted to disagree (half their range
     over their median, the largest): a plan in micro-batches is that uncertain as a whole
-    (the step split is timed against the step whole, so the noise of both is in it)."""
+    (the step split is timed against the step whole, so the noise of both is in it), or by
+    the spread of the whole steps timed across the profile where that is larger (the load
+    moved between the split's rounds and the block's: See Note [a load that moves] in
+    memfit/planning/choose.py)."""
     micro_batches: list[int] = field(default_factory=list)
     """Micro-batch counts the step's forward and backward were timed in (its rows split
     evenly; memfit/measuring/split_timing.py), side by side with it whole (empty: not measured)."""
