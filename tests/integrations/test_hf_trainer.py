@@ -59,7 +59,10 @@ def _args(tmp_path: Path, **kw: object) -> object:
     return transformers.TrainingArguments(**base)
 
 
-@pytest.mark.parametrize("budget", ["60%", "40%"])  # 40%: the batch is split into micro-batches
+# 40%: no whole-batch plan fits, so the batch is split into micro-batches; at 60% the whole
+# batch fits, and micro-batches are chosen only where they time faster (either is right:
+# what is checked is that the Trainer's arguments and losses follow the plan).
+@pytest.mark.parametrize("budget", ["60%", "40%"])
 def test_prepare_plans_the_trainer_and_matches_the_own_loop(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, budget: str
 ) -> None:
@@ -67,7 +70,8 @@ def test_prepare_plans_the_trainer_and_matches_the_own_loop(
     model = _gpt2()  # the default config: dropout on, use_cache on
     with caplog.at_level(logging.INFO, logger="memfit.integrations.hf"):
         plan, args = plan_for_trainer(model, _args(tmp_path), data, budget=budget, precision="fp32")
-    assert (plan.micro_batches > 1) is (budget == "40%")
+    if budget == "40%":
+        assert plan.micro_batches > 1
     lines = [r.getMessage() for r in caplog.records]
     assert any("use_cache off" in m for m in lines) and sum("memfit: planned" in m for m in lines) == 1
     assert model.config.use_cache is False

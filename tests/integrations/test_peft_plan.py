@@ -61,10 +61,15 @@ def test_three_identical_plan_calls_give_one_plan() -> None:
 # Three decoder layers: at 70% the last layer kept or every layer checkpointed, at 95% the
 # first layer fully checkpointed or the second selectively; under load, ties by time alone
 # picked either, call by call (See Note [plans repeat] in memfit/planning/choose.py).
+# At 70% the batch is one row of 128 tokens, which micro-batches cannot split: 8 rows in 2
+# micro-batches time faster than checkpointing on a quiet machine and slower once the load
+# settles, so under a load that moves the fastest plan itself changes between calls (See
+# Note [a load that moves]); that case is left to the quiet tests of micro-batches.
 @pytest.mark.busy
-@pytest.mark.parametrize("budget", ["70%", "95%"])
-def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str) -> None:
-    model, x = _lora_llama(n_layer=3), _batch()
+@pytest.mark.parametrize(("budget", "rows", "seq"), [("70%", 1, 128), ("95%", 8, SEQ)])
+def test_three_plan_calls_on_a_busy_machine_give_one_plan(budget: str, rows: int, seq: int) -> None:
+    model = _lora_llama(n_layer=3)
+    x = torch.randint(0, VOCAB, (rows, seq), generator=torch.Generator().manual_seed(0))
     opt = _adamw(model)
     with busy_cores() as hogs:
         plans = [memfit.plan(model, x, _loss, budget, opt, precision="fp32") for _ in range(3)]
