@@ -106,6 +106,21 @@ def spread_of(values: Sequence[float]) -> float:
     return 1.0 if mid <= 0 else min(1.0, (max(kept) - min(kept)) / (2 * mid))
 
 
+def moved(values: Sequence[float]) -> float:
+    """Half the range of ``values`` over their median, outliers kept, at most 1; 0 for fewer
+    than two. A load that moved between them shows as one value apart, which :func:`spread_of`
+    would drop (See Note [a load that moves] in memfit/planning/choose.py).
+
+    Example:
+        >>> moved([1.0, 2.0, 2.0]), spread_of([1.0, 2.0, 2.0])
+        (0.25, 0.0)
+    """
+    if len(values) < 2:
+        return 0.0
+    mid = statistics.median(values)
+    return 1.0 if mid <= 0 else min(1.0, (max(values) - min(values)) / (2 * mid))
+
+
 def timing_spread(ratios: Mapping[str, Sequence[float]]) -> float:
     """The largest :func:`spread_of` over the ratios of each mode (See Note [plans repeat]).
 
@@ -333,8 +348,7 @@ def fit_time_model(
             fit_prices(prof, timed_block, times, steps.micro_batches)
         fit_split(prof, split_times or {}, steps.micro_batches)
         plain = _as_plain(prof, steps, *step)
-    if sp.micro_batches:  # See Note [a load that moves] in memfit/planning/choose.py
-        sp.micro_spread = max(sp.micro_spread, spread_of([t[2] for t in steps.times]))
+    sp.spread = max(sp.spread, moved([t[2] for t in steps.times]))  # See Note [a load that moves]
     sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
     prof.step_seconds, sp.timed_as = plain[2], steps.described
     fill_times(prof)

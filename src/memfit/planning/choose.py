@@ -173,10 +173,17 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # micro-batches 1.54x the step whole, then 2.0x). The step's split rounds and the block's
 # rounds alone run at different moments of the profile, so a plan in micro-batches (priced
 # from the one) set against checkpointing (priced from the other) compares two moments of
-# the load. The whole steps timed across the profile (at its start and between) see the
-# load move, so their spread widens Speed.micro_spread where it is larger than the split
-# rounds' own: a micro-batch plan then replaces a whole-batch plan only where it is faster
-# at every moment the profile saw.
+# the load; so do two checkpointing plans whose prices were fitted at one moment, where
+# the rounds happened to agree. The whole steps timed across the profile (at its start and
+# between) see the load move: their spread, outliers kept (one step apart is the load
+# moving, not noise to drop), widens Speed.spread where it is larger than the rounds' own,
+# so a plan replaces another only where it is faster at every moment the profile saw. On
+# a quiet machine those steps differ by 0.01-0.15 of their median (measured here), about as
+# far as the rounds do. What this does not catch: a price off while every timing agreed.
+# On a 3-block GPT of 16-128 tokens with every core busy, a checkpoint call was once priced
+# at a quarter of a 0.0086 s step while the rounds and whole steps agreed within a tenth,
+# and a segment (one call fewer) beat "every 2nd block" in 1 call of 15 or so; on a step
+# of 0.035 s (64 wide, 512 tokens) 15 triples of calls under the same load kept one plan each.
 
 
 class _Found(NamedTuple):

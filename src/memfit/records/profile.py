@@ -151,15 +151,14 @@ class Speed(Record):
     """How far the times the prices were fitted to disagree: for each price, the rounds of
     ``timed_block`` it was fitted to (each over ``none`` in the same round), outliers left
     out, half their range over their median, the largest (1: they tell nothing, e.g. a fit
-    was clamped; 0: not measured). The chooser counts predictions that differ by less than
+    was clamped; 0: not measured), or the whole steps timed across the profile, outliers
+    kept, where they disagree more (the load moved: See Note [a load that moves] in
+    memfit/planning/choose.py). The chooser counts predictions that differ by less than
     this as ties (See Note [plans repeat])."""
     micro_spread: float = 0.0
     """How far the rounds ``micro_batch_ratios`` were fitted to disagree (half their range
     over their median, the largest): a plan in micro-batches is that uncertain as a whole
-    (the step split is timed against the step whole, so the noise of both is in it), or by
-    the spread of the whole steps timed across the profile where that is larger (the load
-    moved between the split's rounds and the block's: See Note [a load that moves] in
-    memfit/planning/choose.py)."""
+    (the step split is timed against the step whole, so the noise of both is in it)."""
     micro_batches: list[int] = field(default_factory=list)
     """Micro-batch counts the step's forward and backward were timed in (its rows split
     evenly; memfit/measuring/split_timing.py), side by side with it whole (empty: not measured)."""
