@@ -238,7 +238,7 @@ def test_cuda_out_of_memory_is_replanned_and_matches_the_new_plan() -> None:
     peak after two steps (``benchmarks/gpu_check.sh`` runs this)."""
     from memfit.models.gpt import GPT, GPTConfig
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction wants an index
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 256, (16, 257), generator=g)
     batch = (x[:, :-1].contiguous().to(dev), x[:, 1:].contiguous().to(dev))
@@ -288,5 +288,8 @@ def test_cuda_out_of_memory_is_replanned_and_matches_the_new_plan() -> None:
     torch.testing.assert_close(
         torch.tensor([m.loss for m in history]), torch.tensor([m.loss for m in reference]), **tol
     )
+    # an embedding's backward adds rows with atomics on CUDA, in no fixed order: after five
+    # AdamW steps one weight of 131,072 differed by 1.45e-6 between two runs on an H200
+    weights = {"rtol": 1e-5, "atol": 1e-5}
     for x, y in zip(a.model.state_dict().values(), b.model.state_dict().values(), strict=True):
-        torch.testing.assert_close(x, y, **tol)
+        torch.testing.assert_close(x, y, **weights)

@@ -256,7 +256,7 @@ def test_a_cuda_step_that_does_not_fit_is_planned_and_trained() -> None:
     from memfit.models.gpt import GPT, GPTConfig
     from memfit.step import training_step
 
-    dev = torch.device("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device())  # set_per_process_memory_fraction wants an index
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=8, n_embd=512, n_head=8, block_size=512)).to(dev)
     x = torch.randint(0, 256, (16, 513), generator=torch.Generator().manual_seed(1)).to(dev)

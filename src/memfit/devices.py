@@ -389,6 +389,8 @@ def _cpu_room() -> Room:
 
 
 def _cuda_room(device: torch.device) -> Room:
+    if device.index is None:  # torch.cuda's per-process fraction wants an index: "cuda" is the current one
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     reserved = torch.cuda.memory_reserved(device)
     cached = reserved - torch.cuda.memory_allocated(device)
