@@ -416,6 +416,18 @@ def test_two_auxiliary_classifiers_side_by_side_are_not_blocks() -> None:
     assert memfit.find_blocks(model) == ["i3a", "i3b", "i4a"]
 
 
+def test_residual_blocks_as_wide_as_the_classes_are_blocks_not_auxiliary_heads() -> None:
+    """A byte-level GPT 256 wide with a 256-token vocabulary: each block ends in a Linear with
+    as many outputs as the head, yet adds its input back, so it is a block (first seen when
+    ``memfit.bench`` refused such a GPT on a GPU: "found no repeated blocks")."""
+    from memfit.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=32, vocab_size=256))
+    assert model.blocks[0].mlp.proj.out_features == model.head.out_features
+    assert not is_head(model.blocks[0], model)
+    assert memfit.find_blocks(model) == [f"blocks.{i}" for i in range(4)]
+
+
 # --- HRNet: residual units inside parallel branches outrank the containers around them -----
 
 

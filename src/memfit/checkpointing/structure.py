@@ -165,10 +165,14 @@ def is_head(module: nn.Module, model: nn.Module) -> bool:
     """Whether ``module`` is a classifier head beside the model's own (an auxiliary classifier).
 
     It is one when its last layer with parameters is a ``Linear`` producing as many outputs as
-    the model's last ``Linear`` (its classifier), and that classifier is not inside it.
+    the model's last ``Linear`` (its classifier), and that classifier is not inside it. A
+    residual unit is never one: it adds its input back, so its width is the stream's, which may
+    equal the classes by chance (a byte-level GPT 256 wide).
     """
     final = _last_linear(model)
     if final is None or module is model or any(m is final for m in module.modules()):
+        return False
+    if adds_input_back(type(module)):
         return False
     leaves = [m for m in module.modules() if not list(m.children()) and any(True for _ in m.parameters())]
     last = leaves[-1] if leaves else None
