@@ -209,3 +209,22 @@ def test_plot_rings_the_recommendation_and_keeps_the_axis_on_the_points() -> Non
         assert any(line.get_label().startswith("budget") for line in ax.get_lines())
     finally:
         plt.close(fig)
+
+
+def test_a_percentage_budget_whose_baseline_failed_still_shows_the_rest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """First seen on an H200: fp32/none failed, and `--budget 50%` then threw away every other
+    strategy's numbers at the very end. Now the failure is named and the table is kept."""
+    import argparse
+
+    from memfit.cli.bench import _budget
+
+    failed = BenchPoint("fp32/none", "fp32", "none", baseline="fp32/none", error="ValueError: no index")
+    ran = BenchPoint("bf16/full", "bf16", "full", peak_bytes=1000, baseline="fp32/none")
+    assert _budget(argparse.Namespace(budget="50%"), [failed, ran]) is None
+    err = capsys.readouterr().err
+    assert "baseline did not run (ValueError: no index)" in err and "without a budget" in err
+    assert _budget(argparse.Namespace(budget="2KiB"), [failed, ran]) == 2048  # bytes need no baseline
+    ok = BenchPoint("fp32/none", "fp32", "none", peak_bytes=4000, baseline="fp32/none")
+    assert _budget(argparse.Namespace(budget="50%"), [ok, ran]) == 2000

@@ -138,8 +138,19 @@ def _budget(args: argparse.Namespace, points: list[BenchPoint]) -> int | None:
     """``--budget`` in bytes (a percentage of the baseline's peak), or None."""
     if args.budget is None:
         return None
+    budget = Budget.parse(args.budget, "--budget")
     base = next((p for p in points if p.ok and p.strategy == p.baseline), None)
-    return Budget.parse(args.budget, "--budget").resolve(base.peak_bytes if base else None, "--budget")
+    if budget.is_fraction and base is None:
+        # the table of what did run is still worth printing and writing: warn, compare with no budget
+        failed = next((p for p in points if p.strategy == p.baseline), None)
+        why = f" ({failed.error})" if failed is not None and failed.error else " (it was not benched)"
+        print(
+            f"memfit bench: --budget {args.budget} is a percentage of the baseline's peak, but the "
+            f"baseline did not run{why}; the results below are shown without a budget.",
+            file=sys.stderr,
+        )
+        return None
+    return budget.resolve(base.peak_bytes if base else None, "--budget")
 
 
 def _print_points(points: list[BenchPoint], budget: int | None, heading: str, device: torch.device) -> None:
