@@ -7,7 +7,9 @@ checkpointed by memfit (full, selective, every 2nd block); memfit's plan for ``-
 compiler's own memory/recompute knob). After a compiling warm-up step, the timed steps run
 interleaved (A B C ... A B C) and the median is reported as a ratio to compiled plain.
 
-Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` around one steady step. On a CPU
+Peak memory: on CUDA, ``torch.cuda.max_memory_allocated`` around one steady step, less what
+the process holds that the variant does not own (the other variants' weights and optimizer
+state, the batch), so that each peak is the variant's own. On a CPU
 PyTorch's MemTracker does not see inductor's buffers, so only correctness (the first
 step's loss against compiled plain) and time ratios are reported.
 
@@ -94,10 +96,13 @@ def main() -> None:
         peak = 0
         if cuda:
             torch.cuda.synchronize(device)
+            # every variant's weights are resident (and the earlier ones' optimizer state): the
+            # allocator's peak is taken above what this variant does not own
+            others = torch.cuda.memory_allocated(device) - _own_bytes(model, opt)
             torch.cuda.reset_peak_memory_stats(device)
             _step(compiled, opt, batch)
             torch.cuda.synchronize(device)
-            peak = int(torch.cuda.max_memory_allocated(device))
+            peak = int(torch.cuda.max_memory_allocated(device)) - others
         runs[name] = {"compiled": compiled, "opt": opt, "first": first, "compile_s": compile_s, "peak": peak}
         runs[name]["times"] = []
     for _ in range(args.rounds):
@@ -128,6 +133,15 @@ def main() -> None:
         print(
             f"| {name} | {run['first'] - ref['first']:+.2e} | {run['compile_s']:.1f} | {peak} | {ratio:.2f} |"
         )
+
+
+def _own_bytes(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of the storages of ``model``'s weights, buffers, gradients and ``opt``'s state."""
+    tensors = [*model.parameters(), *model.buffers()]
+    tensors += [p.grad for p in model.parameters() if p.grad is not None]
+    tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
+    return sum(storages.values())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ fi
 status=0
 echo "== pytest -m gpu"
 start=$SECONDS
-timeout 120 "$PYTHON" -m pytest -q -m gpu -p no:cacheprovider \
+timeout 120 "$PYTHON" -m pytest -q -rs -m gpu -p no:cacheprovider \
   -k "not cuda_out_of_memory and not offload and not cuda_step_that_does_not_fit" 2>&1 \
   | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
@@ -67,8 +67,8 @@ echo "planning a step that does not fit: $((SECONDS - start)) s"
 
 echo "== offload lever on CUDA: every block's saved activations in pinned host memory"
 start=$SECONDS
-timeout 60 "$PYTHON" -m pytest -q -s -p no:cacheprovider \
-  "tests/test_levers.py::test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients" \
+timeout 60 "$PYTHON" -m pytest -q -rs -s -p no:cacheprovider \
+  "tests/test_offload.py::test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients" \
   "tests/test_offload.py::test_offload_on_cuda_is_exact_and_lowers_the_peak_as_priced" 2>&1 | tee "$OUT/offload-cuda.log"
 rc=${PIPESTATUS[0]}
 if [[ $rc -ne 0 ]]; then echo "gpu_check: offload on CUDA failed (exit $rc)"; status=1; fi

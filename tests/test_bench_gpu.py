@@ -19,7 +19,9 @@ pytestmark = [
 def _model_and_batch() -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=256, n_head=4, block_size=256))
-    x = torch.randint(0, 256, (4, 257))
+    # 16 rows: activations outweigh the weights and AdamW state, so checkpointing lowers the
+    # peak (at 4 rows the first H200 run read bf16/full 216,340,992 B, bf16/none 214,718,976 B)
+    x = torch.randint(0, 256, (16, 257))
     return model, (x[:, :-1].contiguous(), x[:, 1:].contiguous())
 
 

@@ -255,38 +255,6 @@ def test_verify_refuses_a_lever_whose_check_fails() -> None:
     assert all(w.dtype == torch.float32 for w in model.ws)  # planning left the model as it was
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="offload moves activations off a CUDA device")
-def test_offload_on_cuda_lowers_the_peak_and_keeps_the_gradients() -> None:
-    """Every block's saved activations in pinned host memory: the CUDA allocator's peak drops,
-    the gradients are the same (benchmarks/gpu_check.sh prints the numbers)."""
-    from memfit.measuring.tracker import MemoryWatch
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=6, n_embd=384, n_head=6, block_size=256)).cuda()
-    x = torch.randint(0, 256, (8, 256), device="cuda")
-    blocks = memfit.find_blocks(model)
-    peaks, grads = {}, {}
-    for name, plan in (
-        ("plain", Plan(blocks={})),
-        ("offload", Plan(blocks={}, levers=["offload"], lever_settings={"offload": {"blocks": blocks}})),
-    ):
-        opt = apply(model, plan, torch.optim.AdamW(model.parameters(), lr=1e-3)).optimizer
-        with MemoryWatch(model, opt) as watch:
-            model.zero_grad(set_to_none=True)
-            gpt_loss(model, (x, x)).backward()
-        peaks[name] = watch.peak_bytes
-        grads[name] = [p.grad.detach().clone() for p in model.parameters()]
-        remove_levers(model, opt)
-    print(
-        f"offload on CUDA: peak {peaks['offload']:,} B with every block offloaded, "
-        f"{peaks['plain']:,} B without"
-    )
-    assert peaks["offload"] < 0.8 * peaks["plain"]
-    for a, b in zip(grads["offload"], grads["plain"], strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 def test_memfit_imports_and_refuses_the_state_levers_without_torchao() -> None:
     """torchao is optional (memfit[levers]): with its import blocked, memfit imports, plans with
     levers='all' (using what needs no torchao) and refuses a state lever with one sentence."""
