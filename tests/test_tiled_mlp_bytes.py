@@ -9,6 +9,7 @@ is a hand-made number except the synthetic block of the floor test.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 import pytest
@@ -28,7 +29,7 @@ from memfit.records import BlockStats, Profile
 from memfit.records.long_context import MlpCost, TiledMlpFacts
 from memfit.step import training_step
 from memfit.stepmodel import simulate
-from memfit.stepmodel.tiled_mlp import mlp_chunk_counts, mlp_cost_at, tiled_block, with_tiled_mlp
+from memfit.stepmodel.tiled_mlp import floor_of, mlp_chunk_counts, mlp_cost_at, tiled_block, with_tiled_mlp
 
 SEQ = 1024
 #: the acceptance's bound on the predicted drop of the step's peak
@@ -121,7 +122,8 @@ def test_the_steps_peak_drops_by_the_predicted_bytes(case, prec: str, mode: str)
     assert simulate(profile, mode).peak_bytes == plain  # the step model's own check
     for chunks in (2, 8, 24):
         measured = plain - _measured(model, batch, opt, prec, mode, chunks)
-        predicted = plain - simulate(with_tiled_mlp(profile, facts, chunks, floor), mode).peak_bytes
+        floored = dataclasses.replace(facts, floor=floor_of(floor))
+        predicted = plain - simulate(with_tiled_mlp(profile, floored, chunks), mode).peak_bytes
         print(f"{prec} {mode} {chunks} chunks: the peak drops by {measured:,} B, predicted {predicted:,} B")
         assert measured > 0 and abs(predicted - measured) <= DROP_TOLERANCE * measured
 
@@ -139,7 +141,8 @@ def test_a_block_is_never_priced_below_the_floor() -> None:
                        backward_peak_bytes={"full": 1000}, held_bytes={"full": 10})  # fmt: skip
     alone = tiled_block(block, facts, 2)
     assert (alone.forward_peak_bytes, alone.backward_peak_bytes) == ({"full": 600}, {"full": 2300})
-    bounded = tiled_block(block, facts, 2, floor)
+    prof = Profile("fp32", "cpu", 1, [floor], BlockStats("outside"), 0, 0, 0, 0)
+    bounded = tiled_block(block, dataclasses.replace(facts, floor=floor_of(prof)), 2)
     assert (bounded.forward_peak_bytes, bounded.backward_peak_bytes) == ({"full": 800}, {"full": 2300})
     assert tiled_block(block, facts, 1) == block  # one chunk: the plain MLP
 
@@ -154,3 +157,24 @@ def test_refusals_say_why_in_one_sentence(case) -> None:
     assert never.refused == "the loss function never called it, so there is no sequence to tile."
     profile = Profile("fp32", "cpu", 1, [], BlockStats("outside"), 0, 0, 0, 0)
     assert with_tiled_mlp(profile, never, 8) is profile
+
+
+def test_an_estimate_carries_the_floor_the_tiled_step_profiles() -> None:
+    """``memfit estimate`` (fake tensors only) measures the floor as the planner does: each
+    block's numbers with every MLP at the ladder's last count, equal to a profile of the step
+    with the MLPs tiled."""
+    from memfit.measuring.estimate import estimate
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return llama(preset="tiny", n_layer=2, block_size=2048, vocab_size=64).model
+
+    x = torch.randint(0, 64, (1, 2048), generator=torch.Generator().manual_seed(1))
+    batch = (x, torch.roll(x, -1, 1))
+    est = estimate(build, batch, gpt_loss, torch.optim.AdamW, precisions=["fp32"], levers=["tiled_mlp"])
+    facts = est.profiles["fp32"].lever_facts.tiled_mlp  # type: ignore[union-attr]
+    assert facts is not None and facts.chunk_counts[-1] == 64
+    model = build()
+    install_tiled_mlp(model, 64)
+    tiled = memory_profile(model, batch, gpt_loss, torch.optim.AdamW(model.parameters()), "fp32")
+    assert facts.floor == floor_of(tiled)

@@ -50,12 +50,12 @@ from memfit.errors import ConfigError
 from memfit.measuring.batchcheck import batch_errors
 from memfit.measuring.fakebuild import FakeFallbacks, build_fake, fake_batch, model_limits
 from memfit.measuring.lever_facts import attach_lever_facts, head_facts
-from memfit.measuring.long_context import tiled_mlp_facts
+from memfit.measuring.long_context import tiled_floor, tiled_mlp_facts
 from memfit.measuring.order import run_order
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
-from memfit.measuring.twin import twin_precision
+from memfit.measuring.twin import Twin, twin_precision
 from memfit.precision import Precision, precision_kind
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
 from memfit.step import Batch, LossFn, batch_size
@@ -219,6 +219,18 @@ def _profiles_and_entries(
     return profiles, entries
 
 
+def _tiled_floor(f: _Fake, prof: Profile, loss_fn: LossFn) -> None:
+    """The blocks with every MLP at the ladder's last count, on the estimate's own fake model
+    (See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py)."""
+    facts = prof.lever_facts.tiled_mlp if prof.lever_facts is not None else None
+    if facts is None or facts.refused or not facts.chunk_counts or not prof.blocks:
+        return
+    twin = Twin(f.mode, f.model, f.optimizer, f.batch, f.fallbacks)
+    precision = _fake_precision(cast(PrecisionName, prof.precision), f.device)
+    modes = list(prof.blocks[0].saved_bytes)
+    facts.floor = tiled_floor(twin, loss_fn, precision, f.blocks, modes, facts.chunk_counts[-1])
+
+
 def _finish_profiles(
     f: _Fake, profiles: dict[str, Profile], levers: bool | Sequence[str], step: tuple[Batch, LossFn]
 ) -> None:
@@ -234,6 +246,8 @@ def _finish_profiles(
                 prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
                 if tiled:  # one MLP alone at the step's shape, plain and tiled
                     prof.lever_facts.tiled_mlp = tiled_mlp_facts(f.model, step[0], step[1], prof.precision)
+            if tiled:
+                _tiled_floor(f, prof, step[1])
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)

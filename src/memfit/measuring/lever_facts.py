@@ -64,7 +64,7 @@ from memfit.levers.loss_head import default_chunk_tokens, linear_cross_entropy, 
 from memfit.levers.needs import torchao_available
 from memfit.levers.optim import lever_optimizer, step_runs_eagerly
 from memfit.levers.weights import cast_weights, restore_weights, weights_dtype
-from memfit.measuring.long_context import host_link_facts, tiled_mlp_facts
+from memfit.measuring.long_context import attach_tiled_floor, host_link_facts, tiled_mlp_facts
 from memfit.measuring.tracker import MemoryWatch, PhaseTracker
 from memfit.models.gpt import gpt_loss
 from memfit.precision import Precision
@@ -567,6 +567,7 @@ def attach_lever_facts(
         profile.lever_facts.head = head or head_facts(model, step[0], step[1], profile.precision)
     if step is not None and TILED_MLP.name in levers:
         profile.lever_facts.tiled_mlp = tiled_mlp_facts(model, step[0], step[1], profile.precision)
+        attach_tiled_floor(profile, model, optimizer, blocks, step)
     if OFFLOAD.name in levers:
         profile.lever_facts.host_link = host_link_facts(model_device(model))
     # See Note [the step's forwards with the head in chunks]

@@ -28,22 +28,29 @@ import statistics
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from memfit.checkpointing import set_block_modes, uncheckpoint
 from memfit.checkpointing.compile import eager
 from memfit.checkpointing.recompute import run_checkpointed
+from memfit.devices import model_device
 from memfit.errors import ConfigError
-from memfit.levers.tiled_mlp import find_mlps, tiled_call
+from memfit.levers.tiled_mlp import find_mlps, install_tiled_mlp, remove_tiled_mlp, tiled_call
+from memfit.measuring.phases import StepMemory, phased_step, profile_from_memory
+from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.tracker import PhaseTracker
+from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision
+from memfit.records import Profile
 from memfit.records.long_context import HostLinkFacts, MlpCost, TiledMlpFacts
-from memfit.stepmodel.tiled_mlp import mlp_chunk_counts
-from memfit.vocab import CHECKPOINT_MODES
+from memfit.step import batch_size
+from memfit.stepmodel.tiled_mlp import floor_of, mlp_chunk_counts
+from memfit.vocab import CHECKPOINT_MODES, CheckpointMode
 
-__all__ = ["host_link_facts", "mlp_cost", "mlp_input", "tiled_mlp_facts"]
+__all__ = ["attach_tiled_floor", "host_link_facts", "mlp_cost", "mlp_input", "tiled_floor", "tiled_mlp_facts"]
 
 # Note [the MLP measured alone]
 # The tiled MLP's bytes are predicted, not measured on the whole step: the model's first MLP
@@ -208,6 +215,69 @@ def tiled_mlp_facts(
             {m: mlp_cost(first, shape, dtype, precision, m, n) for m in modes} for n in facts.chunk_counts
         ]
     return facts
+
+
+def tiled_floor(
+    twin: Twin,
+    loss_fn: Callable[..., Any],
+    precision: Precision,
+    blocks: Sequence[str],
+    modes: Sequence[str],
+    chunks: int,
+) -> dict[str, dict[str, dict[str, int]]]:
+    """Every block's numbers with every MLP of ``twin``'s model tiled in ``chunks`` chunks, one
+    fake step per mode: :attr:`TiledMlpFacts.floor` (See Note [a tiled MLP in its block] in
+    :mod:`memfit.stepmodel.tiled_mlp`). The twin is left as it was (its MLPs plain, its blocks
+    not checkpointed).
+
+    Example:
+        >>> from memfit.measuring.twin import make_twin
+        >>> from memfit.models.llama import llama
+        >>> spec = llama(preset="tiny", n_layer=2)
+        >>> batch = spec.random_batch(2, seed=0)
+        >>> floor = tiled_floor(make_twin(spec.model, None, batch), spec.loss_fn, Precision("fp32"),
+        ...                     ["blocks.0", "blocks.1"], ["none", "full"], 4)  # fmt: skip
+        >>> sorted(floor["blocks.1"]), sorted(floor["blocks.1"]["backward_peak_bytes"])
+        (['backward_peak_bytes', 'forward_peak_bytes', 'held_bytes', 'saved_bytes'], ['full', 'none'])
+    """
+    memory: dict[CheckpointMode, StepMemory] = {}
+    names = list(blocks)
+    with twin.running():
+        install_tiled_mlp(twin.model, chunks)
+        try:
+            create_optimizer_state(twin.model, twin.optimizer)
+            fake = twin_precision(precision)
+            for name in modes:
+                mode = cast(CheckpointMode, name)
+                set_block_modes(twin.model, {b: mode for b in names})
+                memory[mode] = phased_step(
+                    twin.model, twin.batch, loss_fn, twin.optimizer, fake, names, step_optimizer=False
+                )
+        finally:
+            uncheckpoint(twin.model)
+            remove_tiled_mlp(twin.model)
+    return floor_of(profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch)))
+
+
+def attach_tiled_floor(
+    profile: Profile,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    blocks: Sequence[str],
+    step: tuple[Any, Callable[..., Any]],
+) -> None:
+    """Set ``profile``'s :attr:`TiledMlpFacts.floor` (:func:`tiled_floor` on a fake twin of
+    ``model``, the tiled MLP's facts measured already); empty where the twin cannot run."""
+    tiled = profile.lever_facts.tiled_mlp if profile.lever_facts is not None else None
+    if tiled is None or tiled.refused or not tiled.chunk_counts or not profile.blocks:
+        return
+    precision = Precision(profile.precision, device=model_device(model))  # type: ignore[arg-type]
+    modes = list(profile.blocks[0].saved_bytes)
+    try:
+        twin = make_twin(model, optimizer, step[0])
+        tiled.floor = tiled_floor(twin, step[1], precision, blocks, modes, tiled.chunk_counts[-1])
+    except Exception:  # a model fake tensors cannot run: priced by the MLP's difference alone
+        tiled.floor = {}
 
 
 # Note [the host link timed]

@@ -49,7 +49,7 @@ from memfit.budget import format_bytes
 from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.levers.weights import weights_dtype
 from memfit.measuring.lever_facts import head_facts, lever_facts
-from memfit.measuring.long_context import host_link_facts, tiled_mlp_facts
+from memfit.measuring.long_context import host_link_facts, tiled_floor, tiled_mlp_facts
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.profile import Profiler
 from memfit.planning.offloaded import plan_offloaded
@@ -171,6 +171,11 @@ def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> 
             facts.head = head_facts(twin.model, twin.batch, r.loss_fn, precision)
         if "tiled_mlp" in r.levers:
             facts.tiled_mlp = tiled_mlp_facts(twin.model, twin.batch, r.loss_fn, precision, last_only=True)
+    tiled = facts.tiled_mlp
+    if tiled is not None and not tiled.refused and tiled.chunk_counts and out.blocks:
+        # See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py
+        modes = list(out.blocks[0].saved_bytes)
+        tiled.floor = tiled_floor(twin, r.loss_fn, prec, list(r.blocks), modes, tiled.chunk_counts[-1])
     out.lever_facts, out.weights = facts, weights_dtype(r.model)
     return out
 

@@ -67,6 +67,11 @@ class TiledMlpFacts(Record):
     chunks: int = 0
     """The count a profile's blocks are priced at (the planner's setting; 0: the ladder's last,
     :func:`memfit.applying.tiled_mlp.chosen_chunks`)."""
+    floor: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """Per block, its numbers with every MLP tiled at the ladder's last count, measured in one
+    step per mode: ``{block: {"saved_bytes" | "held_bytes" | "forward_peak_bytes" |
+    "backward_peak_bytes": {mode: bytes}}}``, a bound no count goes under (empty: not
+    measured; See Note [a tiled MLP in its block] in :mod:`memfit.stepmodel.tiled_mlp`)."""
 
 
 @dataclass

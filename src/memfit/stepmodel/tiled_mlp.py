@@ -32,7 +32,16 @@ from collections.abc import Mapping
 from memfit.records import BlockStats, Profile
 from memfit.records.long_context import MlpCost, TiledMlpFacts
 
-__all__ = ["MLP_LADDER", "mlp_chunk_counts", "mlp_cost_at", "mlp_saving", "tiled_block", "with_tiled_mlp"]
+__all__ = [
+    "FLOOR_FIELDS",
+    "MLP_LADDER",
+    "floor_of",
+    "mlp_chunk_counts",
+    "mlp_cost_at",
+    "mlp_saving",
+    "tiled_block",
+    "with_tiled_mlp",
+]
 
 #: Chunk counts a plan chooses from (each doubles the last), while the sequence has as many
 #: positions.
@@ -103,9 +112,12 @@ def mlp_saving(facts: TiledMlpFacts, chunks: int, mode: str) -> MlpCost:
 # (above what the block keeps) by the MLP's backward peak less its kept bytes. Once the MLP
 # is small another moment of the block (attention's backward) may hold the peak, which this
 # difference under-predicts; a floor (the same step profiled with every MLP at the ladder's
-# last count, the smallest chunk) bounds it: a block's number is at least the floor's, and
-# the larger of the two is exact where either moment holds the peak at both counts, an
-# over-prediction between.
+# last count, the smallest chunk: TiledMlpFacts.floor, on a fake-tensor twin,
+# memfit.measuring.long_context.tiled_floor) bounds it: a block's number is at least the
+# floor's, and the larger of the two is exact where either moment holds the peak at both
+# counts, an over-prediction between. Without the floor, issue 38's LoRA Llama at 6,144 tokens
+# (both layers fully checkpointed, 64 chunks) was predicted 10,802,176 B under its measured
+# step (attention's backward held the block's peak once the MLP was small); with it, exact.
 
 
 def _moved(
@@ -118,38 +130,51 @@ def _moved(
     return out
 
 
-def tiled_block(
-    block: BlockStats, facts: TiledMlpFacts, chunks: int, floor: BlockStats | None = None
-) -> BlockStats:
-    """``block`` with its MLP tiled in ``chunks`` chunks (Note [a tiled MLP in its block])."""
+def tiled_block(block: BlockStats, facts: TiledMlpFacts, chunks: int) -> BlockStats:
+    """``block`` with its MLP tiled in ``chunks`` chunks, never under the block's numbers in
+    :attr:`TiledMlpFacts.floor` where they were measured (Note [a tiled MLP in its block])."""
     save = {m: mlp_saving(facts, chunks, m) for m in facts.plain}
     kept = {m: s.saved_bytes for m, s in save.items()}
     held = {m: s.held_bytes for m, s in save.items()}
     fwd = {m: s.forward_peak_bytes for m, s in save.items()}
     bwd = {m: s.backward_peak_bytes - s.saved_bytes for m, s in save.items()}
-    f = floor
+    f = facts.floor.get(block.name)
     return dataclasses.replace(
         block,
-        saved_bytes=_moved(block.saved_bytes, kept, f.saved_bytes if f else None),
-        held_bytes=_moved(block.held_bytes, held, f.held_bytes if f else None),
-        forward_peak_bytes=_moved(block.forward_peak_bytes, fwd, f.forward_peak_bytes if f else None),
-        backward_peak_bytes=_moved(block.backward_peak_bytes, bwd, f.backward_peak_bytes if f else None),
+        saved_bytes=_moved(block.saved_bytes, kept, f.get("saved_bytes") if f else None),
+        held_bytes=_moved(block.held_bytes, held, f.get("held_bytes") if f else None),
+        forward_peak_bytes=_moved(block.forward_peak_bytes, fwd, f.get("forward_peak_bytes") if f else None),
+        backward_peak_bytes=_moved(
+            block.backward_peak_bytes, bwd, f.get("backward_peak_bytes") if f else None
+        ),
     )
 
 
-def with_tiled_mlp(
-    profile: Profile, facts: TiledMlpFacts, chunks: int, floor: Profile | None = None
-) -> Profile:
+#: The block numbers a tiled MLP moves, and :attr:`TiledMlpFacts.floor` bounds.
+FLOOR_FIELDS = ("saved_bytes", "held_bytes", "forward_peak_bytes", "backward_peak_bytes")
+
+
+def floor_of(profile: Profile) -> dict[str, dict[str, dict[str, int]]]:
+    """:attr:`TiledMlpFacts.floor` from ``profile``, a step profiled with every MLP tiled at the
+    ladder's last count.
+
+    Example:
+        >>> block = BlockStats("b", saved_bytes={"full": 8})
+        >>> prof = Profile("fp32", "cpu", 1, [block], BlockStats("outside"), 0, 0, 0, 0)
+        >>> floor_of(prof)["b"]["saved_bytes"]
+        {'full': 8}
+    """
+    return {b.name: {f: dict(getattr(b, f)) for f in FLOOR_FIELDS} for b in profile.blocks}
+
+
+def with_tiled_mlp(profile: Profile, facts: TiledMlpFacts, chunks: int) -> Profile:
     """``profile`` with every block whose MLP :attr:`TiledMlpFacts.modules` names tiled in
-    ``chunks`` chunks (a shallow copy; ``floor``: the same step profiled at the ladder's last
-    count, See Note [a tiled MLP in its block]). The same profile where ``facts`` is refused
-    or ``chunks`` is at most 1."""
+    ``chunks`` chunks (a shallow copy; See Note [a tiled MLP in its block]). The same profile
+    where ``facts`` is refused or ``chunks`` is at most 1."""
     if facts.refused or chunks <= 1 or not facts.chunk_counts:
         return profile
-    floors = {b.name: b for b in floor.blocks} if floor is not None else {}
     blocks = [
-        tiled_block(b, facts, chunks, floors.get(b.name)) if _holds_mlp(b.name, facts.modules) else b
-        for b in profile.blocks
+        tiled_block(b, facts, chunks) if _holds_mlp(b.name, facts.modules) else b for b in profile.blocks
     ]
     return dataclasses.replace(profile, blocks=blocks)
 
