@@ -219,18 +219,6 @@ def _profiles_and_entries(
     return profiles, entries
 
 
-def _tiled_floor(f: _Fake, prof: Profile, loss_fn: LossFn) -> None:
-    """The blocks with every MLP at the ladder's last count, on the estimate's own fake model
-    (See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py)."""
-    facts = prof.lever_facts.tiled_mlp if prof.lever_facts is not None else None
-    if facts is None or facts.refused or not facts.chunk_counts or not prof.blocks:
-        return
-    twin = Twin(f.mode, f.model, f.optimizer, f.batch, f.fallbacks)
-    precision = _fake_precision(cast(PrecisionName, prof.precision), f.device)
-    modes = list(prof.blocks[0].saved_bytes)
-    facts.floor = tiled_floor(twin, loss_fn, precision, f.blocks, modes, facts.chunk_counts[-1])
-
-
 def _finish_profiles(
     f: _Fake, profiles: dict[str, Profile], levers: bool | Sequence[str], step: tuple[Batch, LossFn]
 ) -> None:
@@ -246,8 +234,10 @@ def _finish_profiles(
                 prof.lever_facts.head = head_facts(f.model, step[0], step[1], prof.precision)
                 if tiled:  # one MLP alone at the step's shape, plain and tiled
                     prof.lever_facts.tiled_mlp = tiled_mlp_facts(f.model, step[0], step[1], prof.precision)
-            if tiled:
-                _tiled_floor(f, prof, step[1])
+            if tiled:  # See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py
+                twin = Twin(f.mode, f.model, f.optimizer, f.batch, f.fallbacks)
+                fake = _fake_precision(cast(PrecisionName, prof.precision), f.device)
+                tiled_floor(twin, step[1], fake, prof, f.blocks)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)

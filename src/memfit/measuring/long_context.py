@@ -217,37 +217,51 @@ def tiled_mlp_facts(
     return facts
 
 
+def _floor_target(profile: Profile) -> TiledMlpFacts | None:
+    """The profile's tiled MLP facts where a floor can be measured (a ladder, blocks)."""
+    tiled = profile.lever_facts.tiled_mlp if profile.lever_facts is not None else None
+    if tiled is None or tiled.refused or not tiled.chunk_counts or not profile.blocks:
+        return None
+    return tiled
+
+
 def tiled_floor(
-    twin: Twin,
-    loss_fn: Callable[..., Any],
-    precision: Precision,
-    blocks: Sequence[str],
-    modes: Sequence[str],
-    chunks: int,
-) -> dict[str, dict[str, dict[str, int]]]:
-    """Every block's numbers with every MLP of ``twin``'s model tiled in ``chunks`` chunks, one
-    fake step per mode: :attr:`TiledMlpFacts.floor` (See Note [a tiled MLP in its block] in
-    :mod:`memfit.stepmodel.tiled_mlp`). The twin is left as it was (its MLPs plain, its blocks
-    not checkpointed).
+    twin: Twin, loss_fn: Callable[..., Any], precision: Precision, profile: Profile, blocks: Sequence[str]
+) -> None:
+    """Set ``profile``'s :attr:`TiledMlpFacts.floor`: every block's numbers with every MLP of
+    ``twin``'s model tiled at the ladder's last count, one fake step per mode the profile has
+    (See Note [a tiled MLP in its block] in :mod:`memfit.stepmodel.tiled_mlp`); nothing where
+    the tiled MLP is refused or has no ladder. The twin is left as it was (its MLPs plain, its
+    blocks not checkpointed).
 
     Example:
+        >>> from memfit.measuring.fake_profile import memory_profile
         >>> from memfit.measuring.twin import make_twin
         >>> from memfit.models.llama import llama
+        >>> from memfit.records import LeverFacts
         >>> spec = llama(preset="tiny", n_layer=2)
         >>> batch = spec.random_batch(2, seed=0)
-        >>> floor = tiled_floor(make_twin(spec.model, None, batch), spec.loss_fn, Precision("fp32"),
-        ...                     ["blocks.0", "blocks.1"], ["none", "full"], 4)  # fmt: skip
-        >>> sorted(floor["blocks.1"]), sorted(floor["blocks.1"]["backward_peak_bytes"])
-        (['backward_peak_bytes', 'forward_peak_bytes', 'held_bytes', 'saved_bytes'], ['full', 'none'])
+        >>> prof = memory_profile(spec.model, batch, spec.loss_fn, None, "fp32")
+        >>> facts = tiled_mlp_facts(spec.model, batch, spec.loss_fn, "fp32", last_only=True)
+        >>> prof.lever_facts = LeverFacts(tiled_mlp=facts)
+        >>> twin = make_twin(spec.model, None, batch)
+        >>> tiled_floor(twin, spec.loss_fn, Precision("fp32"), prof, ["blocks.0", "blocks.1"])
+        >>> sorted(facts.floor["blocks.1"])
+        ['backward_peak_bytes', 'forward_peak_bytes', 'held_bytes', 'saved_bytes']
+        >>> sorted(facts.floor["blocks.1"]["backward_peak_bytes"])
+        ['full', 'none', 'selective']
     """
+    tiled = _floor_target(profile)
+    if tiled is None:
+        return
     memory: dict[CheckpointMode, StepMemory] = {}
     names = list(blocks)
     with twin.running():
-        install_tiled_mlp(twin.model, chunks)
+        install_tiled_mlp(twin.model, tiled.chunk_counts[-1])
         try:
             create_optimizer_state(twin.model, twin.optimizer)
             fake = twin_precision(precision)
-            for name in modes:
+            for name in profile.blocks[0].saved_bytes:
                 mode = cast(CheckpointMode, name)
                 set_block_modes(twin.model, {b: mode for b in names})
                 memory[mode] = phased_step(
@@ -256,7 +270,9 @@ def tiled_floor(
         finally:
             uncheckpoint(twin.model)
             remove_tiled_mlp(twin.model)
-    return floor_of(profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch)))
+    tiled.floor = floor_of(
+        profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch))
+    )
 
 
 def attach_tiled_floor(
@@ -266,18 +282,13 @@ def attach_tiled_floor(
     blocks: Sequence[str],
     step: tuple[Any, Callable[..., Any]],
 ) -> None:
-    """Set ``profile``'s :attr:`TiledMlpFacts.floor` (:func:`tiled_floor` on a fake twin of
-    ``model``, the tiled MLP's facts measured already); empty where the twin cannot run."""
-    tiled = profile.lever_facts.tiled_mlp if profile.lever_facts is not None else None
-    if tiled is None or tiled.refused or not tiled.chunk_counts or not profile.blocks:
+    """:func:`tiled_floor` on a fake twin of ``model`` (the tiled MLP's facts measured already);
+    the floor stays empty where the twin cannot run."""
+    if _floor_target(profile) is None:
         return
     precision = Precision(profile.precision, device=model_device(model))  # type: ignore[arg-type]
-    modes = list(profile.blocks[0].saved_bytes)
-    try:
-        twin = make_twin(model, optimizer, step[0])
-        tiled.floor = tiled_floor(twin, step[1], precision, blocks, modes, tiled.chunk_counts[-1])
-    except Exception:  # a model fake tensors cannot run: priced by the MLP's difference alone
-        tiled.floor = {}
+    with contextlib.suppress(Exception):  # a model fake tensors cannot run: the MLP's difference alone
+        tiled_floor(make_twin(model, optimizer, step[0]), step[1], precision, profile, blocks)
 
 
 # Note [the host link timed]

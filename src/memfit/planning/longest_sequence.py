@@ -171,12 +171,8 @@ def _probe(request: Request, sized: Batch, precision: str, base: LeverFacts) -> 
             facts.head = head_facts(twin.model, twin.batch, r.loss_fn, precision)
         if "tiled_mlp" in r.levers:
             facts.tiled_mlp = tiled_mlp_facts(twin.model, twin.batch, r.loss_fn, precision, last_only=True)
-    tiled = facts.tiled_mlp
-    if tiled is not None and not tiled.refused and tiled.chunk_counts and out.blocks:
-        # See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py
-        modes = list(out.blocks[0].saved_bytes)
-        tiled.floor = tiled_floor(twin, r.loss_fn, prec, list(r.blocks), modes, tiled.chunk_counts[-1])
     out.lever_facts, out.weights = facts, weights_dtype(r.model)
+    tiled_floor(twin, r.loss_fn, prec, out, r.blocks)  # See Note [a tiled MLP in its block]
     return out
 
 
