@@ -159,15 +159,17 @@ def test_refusals_say_why_in_one_sentence(case) -> None:
     assert with_tiled_mlp(profile, never, 8) is profile
 
 
-def test_an_estimate_carries_the_floor_the_tiled_step_profiles() -> None:
+@pytest.mark.parametrize("n_layer", [2, 4])
+def test_an_estimate_carries_the_floor_the_tiled_step_profiles(n_layer: int) -> None:
     """``memfit estimate`` (fake tensors only) measures the floor as the planner does: each
     block's numbers with every MLP at the ladder's last count, equal to a profile of the step
-    with the MLPs tiled."""
+    with the MLPs tiled. With 4 identical blocks the estimate runs the first and last only (the
+    floor too: at Llama 8B's 32 layers every block run made each length probe take minutes)."""
     from memfit.measuring.estimate import estimate
 
     def build() -> nn.Module:
         torch.manual_seed(0)
-        return llama(preset="tiny", n_layer=2, block_size=2048, vocab_size=64).model
+        return llama(preset="tiny", n_layer=n_layer, block_size=2048, vocab_size=64).model
 
     x = torch.randint(0, 64, (1, 2048), generator=torch.Generator().manual_seed(1))
     batch = (x, torch.roll(x, -1, 1))

@@ -54,7 +54,7 @@ from memfit.measuring.long_context import tiled_floor, tiled_mlp_facts
 from memfit.measuring.order import run_order
 from memfit.measuring.phases import StepMemory, optimizer_state_bytes, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
-from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape
+from memfit.measuring.repeated_blocks import fast_profiles, identical, outputs_keep_shape, stand_ins
 from memfit.measuring.twin import Twin, twin_precision
 from memfit.precision import Precision, precision_kind
 from memfit.records import BREAKDOWN_KEYS, Estimate, EstimateEntry, Profile
@@ -237,7 +237,8 @@ def _finish_profiles(
             if tiled:  # See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py
                 twin = Twin(f.mode, f.model, f.optimizer, f.batch, f.fallbacks)
                 fake = _fake_precision(cast(PrecisionName, prof.precision), f.device)
-                tiled_floor(twin, step[1], fake, prof, f.blocks)
+                skipped = stand_ins(f.model, f.blocks, [True] * len(f.blocks)) if f.fast else {}
+                tiled_floor(twin, step[1], fake, prof, f.blocks, skipped)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)

@@ -27,7 +27,7 @@ import functools
 import statistics
 import time
 import types
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -41,6 +41,7 @@ from memfit.errors import ConfigError
 from memfit.levers.tiled_mlp import find_mlps, install_tiled_mlp, remove_tiled_mlp, tiled_call
 from memfit.measuring.phases import StepMemory, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
+from memfit.measuring.repeated_blocks import skipping
 from memfit.measuring.tracker import PhaseTracker
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision
@@ -226,13 +227,20 @@ def _floor_target(profile: Profile) -> TiledMlpFacts | None:
 
 
 def tiled_floor(
-    twin: Twin, loss_fn: Callable[..., Any], precision: Precision, profile: Profile, blocks: Sequence[str]
+    twin: Twin,
+    loss_fn: Callable[..., Any],
+    precision: Precision,
+    profile: Profile,
+    blocks: Sequence[str],
+    stand_in: Mapping[str, str] | None = None,
 ) -> None:
     """Set ``profile``'s :attr:`TiledMlpFacts.floor`: every block's numbers with every MLP of
     ``twin``'s model tiled at the ladder's last count, one fake step per mode the profile has
     (See Note [a tiled MLP in its block] in :mod:`memfit.stepmodel.tiled_mlp`); nothing where
-    the tiled MLP is refused or has no ladder. The twin is left as it was (its MLPs plain, its
-    blocks not checkpointed).
+    the tiled MLP is refused or has no ladder. The blocks ``stand_in`` names pass their input
+    through and take the numbers of the block it maps them to (identical residual blocks, as
+    :func:`memfit.measuring.repeated_blocks.fast_profiles` runs them: two of Llama 8B's 32).
+    The twin is left as it was (its MLPs plain, its blocks not checkpointed).
 
     Example:
         >>> from memfit.measuring.fake_profile import memory_profile
@@ -255,23 +263,24 @@ def tiled_floor(
     if tiled is None:
         return
     memory: dict[CheckpointMode, StepMemory] = {}
-    names = list(blocks)
-    with twin.running():
+    names, skipped = list(blocks), dict(stand_in or {})
+    ran = [b for b in names if b not in skipped]
+    with twin.running(), skipping(twin.model, list(skipped)):
         install_tiled_mlp(twin.model, tiled.chunk_counts[-1])
         try:
             create_optimizer_state(twin.model, twin.optimizer)
             fake = twin_precision(precision)
             for name in profile.blocks[0].saved_bytes:
                 mode = cast(CheckpointMode, name)
-                set_block_modes(twin.model, {b: mode for b in names})
+                set_block_modes(twin.model, {b: mode for b in ran})
                 memory[mode] = phased_step(
-                    twin.model, twin.batch, loss_fn, twin.optimizer, fake, names, step_optimizer=False
+                    twin.model, twin.batch, loss_fn, twin.optimizer, fake, ran, step_optimizer=False
                 )
         finally:
             uncheckpoint(twin.model)
             remove_tiled_mlp(twin.model)
     tiled.floor = floor_of(
-        profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch))
+        profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch), skipped)
     )
 
 
