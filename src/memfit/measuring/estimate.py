@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -111,8 +111,9 @@ class _Fake:
     """What the fake kernels refused and a real step runs, answered (and counted)."""
     built: str | None = None
     """None when ``model_fn`` ran under fake tensors; else the line saying how it was built."""
-    fast: bool = False
-    """The blocks are identical and residual: two ran, the rest passed their input through."""
+    stand_in: dict[str, str] = field(default_factory=dict)
+    """Where the blocks are identical and residual, those that passed their input through,
+    each to the block whose numbers it takes (:func:`stand_ins`); empty where every block ran."""
 
 
 def _checked_names(
@@ -166,7 +167,7 @@ def _fast_estimate(
     """Profiles from steps that run two of the identical blocks; entries from the step model."""
     with model_limits(f.model):
         profiles = fast_profiles(
-            f.model, f.batch, loss_fn, f.optimizer, f.blocks, precisions, modes,
+            f.model, (f.batch, loss_fn), f.optimizer, f.blocks, f.stand_in, precisions, modes,
             lambda p: _fake_precision(p, f.device),
         )  # fmt: skip
     entries = []
@@ -204,8 +205,8 @@ def _profiles_and_entries(
     with f.mode, f.fallbacks:
         f.model.train()
         create_optimizer_state(f.model, f.optimizer)
-        f.fast = _fast(f, batch, loss_fn)
-        if f.fast:
+        f.stand_in = stand_ins(f.model, f.blocks, [True] * len(f.blocks)) if _fast(f, batch, loss_fn) else {}
+        if f.stand_in:
             profiles, entries = _fast_estimate(f, loss_fn, run_precisions, modes)
         else:
             profiles = _direct(
@@ -237,8 +238,7 @@ def _finish_profiles(
             if tiled:  # See Note [a tiled MLP in its block] in memfit/stepmodel/tiled_mlp.py
                 twin = Twin(f.mode, f.model, f.optimizer, f.batch, f.fallbacks)
                 fake = _fake_precision(cast(PrecisionName, prof.precision), f.device)
-                skipped = stand_ins(f.model, f.blocks, [True] * len(f.blocks)) if f.fast else {}
-                tiled_floor(twin, step[1], fake, prof, f.blocks, skipped)
+                tiled_floor(twin, step[1], fake, prof, f.blocks, f.stand_in)
     for prof in profiles.values():
         prof.optimizer = type(f.optimizer).__name__ if f.optimizer is not None else "none"
         prof.optimizer_bytes_by_dtype = dict(by_dtype)
@@ -368,7 +368,7 @@ def _assumptions(f: _Fake, derived: bool) -> list[str]:
             "(fp16 was not run separately)."
         )
     out += ([f.built] if f.built is not None else []) + f.fallbacks.lines()
-    if f.fast:
+    if f.stand_in:
         out.append(
             f"The {len(blocks)} blocks are identical: two ran, the rest passed their input "
             "through, and the peak adds up the per-block numbers (Profile's formula)."

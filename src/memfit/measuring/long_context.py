@@ -33,21 +33,19 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from memfit.checkpointing import set_block_modes, uncheckpoint
+from memfit.checkpointing import uncheckpoint
 from memfit.checkpointing.compile import eager
 from memfit.checkpointing.recompute import run_checkpointed
 from memfit.devices import model_device
 from memfit.errors import ConfigError
 from memfit.levers.tiled_mlp import find_mlps, install_tiled_mlp, remove_tiled_mlp, tiled_call
-from memfit.measuring.phases import StepMemory, phased_step, profile_from_memory
 from memfit.measuring.preserve import create_optimizer_state
-from memfit.measuring.repeated_blocks import skipping
+from memfit.measuring.repeated_blocks import skipping, steps_per_mode
 from memfit.measuring.tracker import PhaseTracker
 from memfit.measuring.twin import Twin, make_twin, twin_precision
 from memfit.precision import Precision
 from memfit.records import Profile
 from memfit.records.long_context import HostLinkFacts, MlpCost, TiledMlpFacts
-from memfit.step import batch_size
 from memfit.stepmodel.tiled_mlp import floor_of, mlp_chunk_counts
 from memfit.vocab import CHECKPOINT_MODES, CheckpointMode
 
@@ -262,26 +260,20 @@ def tiled_floor(
     tiled = _floor_target(profile)
     if tiled is None:
         return
-    memory: dict[CheckpointMode, StepMemory] = {}
-    names, skipped = list(blocks), dict(stand_in or {})
-    ran = [b for b in names if b not in skipped]
+    skipped = dict(stand_in or {})
     with twin.running(), skipping(twin.model, list(skipped)):
         install_tiled_mlp(twin.model, tiled.chunk_counts[-1])
         try:
             create_optimizer_state(twin.model, twin.optimizer)
+            modes = [cast(CheckpointMode, m) for m in profile.blocks[0].saved_bytes]
+            what = f"the tiled MLP's floor in {tiled.chunk_counts[-1]} chunks, steps per checkpointing mode"
+            step = (twin.batch, loss_fn)
             fake = twin_precision(precision)
-            for name in profile.blocks[0].saved_bytes:
-                mode = cast(CheckpointMode, name)
-                set_block_modes(twin.model, {b: mode for b in ran})
-                memory[mode] = phased_step(
-                    twin.model, twin.batch, loss_fn, twin.optimizer, fake, ran, step_optimizer=False
-                )
+            floor = steps_per_mode(twin.model, step, twin.optimizer, fake, list(blocks), modes, skipped, what)
         finally:
             uncheckpoint(twin.model)
             remove_tiled_mlp(twin.model)
-    tiled.floor = floor_of(
-        profile_from_memory(twin.model, names, memory, precision.mode, batch_size(twin.batch), skipped)
-    )
+    tiled.floor = floor_of(floor)
 
 
 def attach_tiled_floor(

@@ -38,7 +38,15 @@ from memfit.records import Profile
 from memfit.step import Batch, LossFn, batch_size
 from memfit.vocab import CheckpointMode, PrecisionName
 
-__all__ = ["fast_profiles", "identical", "optimizer_temp", "outputs_keep_shape", "skipping", "stand_ins"]
+__all__ = [
+    "fast_profiles",
+    "identical",
+    "optimizer_temp",
+    "outputs_keep_shape",
+    "skipping",
+    "stand_ins",
+    "steps_per_mode",
+]
 
 _SKIP = "estimate-skip"
 
@@ -115,35 +123,24 @@ def outputs_keep_shape(model: nn.Module, name: str, batch: Batch, loss_fn: LossF
 
 def fast_profiles(
     model: nn.Module,
-    batch: Batch,
-    loss_fn: LossFn,
+    step: tuple[Batch, LossFn],
     optimizer: torch.optim.Optimizer | None,
     blocks: list[str],
+    skipped: dict[str, str],
     precisions: list[PrecisionName],
     modes: list[CheckpointMode],
     make_precision: Callable[[PrecisionName], Precision],
 ) -> dict[str, Profile]:
-    """Profiles of identical residual blocks from steps that run only the first and last.
+    """Profiles of identical residual blocks from steps that run only those ``skipped`` does
+    not map (:func:`stand_ins`: the first and last of each run).
 
     The optimizer step, which does not depend on the blocks, is tracked separately with
     every gradient present.
     """
-    skipped = stand_ins(model, blocks, [True] * len(blocks))
-    active = [b for b in blocks if b not in skipped]
     profiles: dict[str, Profile] = {}
     with skipping(model, list(skipped)):
         for precision in precisions:
-            prec = make_precision(precision)
-            per_mode: dict[CheckpointMode, StepMemory] = {}
-            what = f"{precision}: steps per checkpointing mode ({len(active)} of {len(blocks)} blocks run)"
-            with progress.phase(what, len(modes)) as ph:
-                for mode in modes:
-                    set_block_modes(model, {b: mode for b in active})
-                    per_mode[mode] = phased_step(
-                        model, batch, loss_fn, optimizer, prec, active, step_optimizer=False
-                    )
-                    ph.advance(detail=mode)
-            short = profile_from_memory(model, blocks, per_mode, precision, batch_size(batch), skipped)
+            short = steps_per_mode(model, step, optimizer, make_precision(precision), blocks, modes, skipped)
             short.param_bytes = param_bytes(model)
             short.grad_bytes = grad_bytes_of(model)
             short.outside.param_bytes = short.param_bytes - sum(b.param_bytes for b in short.blocks)
@@ -152,6 +149,44 @@ def fast_profiles(
     for prof in profiles.values():
         prof.optimizer_temp_bytes = temp
     return profiles
+
+
+def steps_per_mode(
+    model: nn.Module,
+    step: tuple[Batch, LossFn],
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    blocks: list[str],
+    modes: Sequence[CheckpointMode],
+    skipped: dict[str, str],
+    what: str = "steps per checkpointing mode",
+) -> Profile:
+    """One step (forward and backward, no optimizer step) per mode with every block that runs
+    at that mode, as a profile's memory fields: the blocks ``skipped`` maps (passed through by
+    :func:`skipping`, which the caller holds) take their stand-in's numbers. Shown as the
+    counted phase ``<precision>: <what> (<run> of <all> blocks run)``.
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> x = torch.randn(2, 4)
+        >>> prof = steps_per_mode(model, (x, lambda m, b: m(b).sum()), None, Precision("fp32"),
+        ...                       ["0", "1"], ["none", "full"], {})
+        >>> sorted(prof.blocks[0].saved_bytes)
+        ['full', 'none']
+    """
+    active = [b for b in blocks if b not in skipped]
+    per_mode: dict[CheckpointMode, StepMemory] = {}
+    with progress.phase(
+        f"{precision.mode}: {what} ({len(active)} of {len(blocks)} blocks run)", len(modes)
+    ) as ph:
+        for mode in modes:
+            set_block_modes(model, {b: mode for b in active})
+            per_mode[mode] = phased_step(
+                model, step[0], step[1], optimizer, precision, active, step_optimizer=False
+            )
+            ph.advance(detail=mode)
+    return profile_from_memory(model, blocks, per_mode, precision.mode, batch_size(step[0]), skipped)
 
 
 def optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
