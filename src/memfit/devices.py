@@ -19,7 +19,10 @@ import ctypes.util
 import functools
 import os
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -43,7 +46,9 @@ __all__ = [
     "return_freed_address_space",
     "room",
     "room_needed",
+    "seconds_of",
     "slow_precisions",
+    "synchronize",
     "unwrap",
 ]
 
@@ -196,6 +201,32 @@ def model_device(module: nn.Module) -> torch.device:
     if first is None:
         first = next(iter(module.buffers()), None)
     return first.device if first is not None else torch.device("cpu")
+
+
+_T = TypeVar("_T")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device``: CUDA runs kernels asynchronously, so a clock
+    read before and after a step must wait for them; elsewhere, nothing to wait for."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def seconds_of(fn: Callable[[], _T], device: torch.device) -> tuple[_T, float]:
+    """``fn()``'s result and the wall seconds it took, ``device``'s queued work finished at
+    both ends (:func:`synchronize`).
+
+    Example:
+        >>> out, took = seconds_of(lambda: 2 + 2, torch.device("cpu"))
+        >>> out, took >= 0
+        (4, True)
+    """
+    synchronize(device)
+    start = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return out, time.perf_counter() - start
 
 
 def unwrap(model: nn.Module) -> nn.Module:

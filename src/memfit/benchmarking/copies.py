@@ -34,7 +34,6 @@ __all__ = [
     "check_optimizer",
     "fresh_optimizer",
     "park",
-    "sync",
     "unpark",
 ]
 
@@ -74,11 +73,6 @@ def fresh_optimizer(template: OptimizerArg, original: nn.Module, model: nn.Modul
     accepted = inspect.signature(type(template)).parameters
     kwargs = {k: v for k, v in template.defaults.items() if k in accepted and k != "params"}
     return type(template)(groups, **kwargs)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def batch_to(batch: Batch, device: torch.device) -> Batch:

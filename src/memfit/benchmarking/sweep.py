@@ -23,8 +23,8 @@ Example:
 from __future__ import annotations
 
 import copy
+import functools
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,14 +40,13 @@ from memfit.benchmarking.copies import (
     check_optimizer,
     fresh_optimizer,
     park,
-    sync,
     unpark,
 )
 from memfit.benchmarking.pareto import mark_front
 from memfit.benchmarking.strategies import Strategy, builtin_strategy, resolve_strategies
 from memfit.budget import format_bytes
 from memfit.checkpointing import uncheckpoint
-from memfit.devices import device_facts, model_device, room
+from memfit.devices import device_facts, model_device, room, seconds_of
 from memfit.errors import ConfigError, MemfitError, OutOfMemory
 from memfit.measuring.memory import tracked_step
 from memfit.measuring.phases import optimizer_state_bytes, phased_step
@@ -276,11 +275,10 @@ def _timed_step(b: _Bench, run: _Run) -> None:
     """One timed step of ``run``'s copy, brought back from where it was parked and parked again."""
     assert run.model is not None and run.precision is not None
     unpark(run.model, run.parked, b.device)
-    sync(b.device)
-    start = time.perf_counter()
-    training_step(run.model, b.batch, b.loss_fn, run.optimizer, run.precision, run.strategy.micro_batches)
-    sync(b.device)
-    run.point.step_times.append(time.perf_counter() - start)
+    step = functools.partial(
+        training_step, run.model, b.batch, b.loss_fn, run.optimizer, run.precision, run.strategy.micro_batches
+    )
+    run.point.step_times.append(seconds_of(step, b.device)[1])
     run.parked = park(run.model, run.optimizer, b.device)
 
 

@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit import progress
 from memfit.checkpointing import set_block_modes
-from memfit.devices import model_device
+from memfit.devices import model_device, seconds_of
 from memfit.vocab import CheckpointMode
 
 #: Rounds a block alone is timed in each mode at least, however long they take.
@@ -132,16 +132,9 @@ def _run(block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractCon
 
 
 def _timed_run(
-    block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]], cuda: bool
+    block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]]
 ) -> float:
-    device = model_device(block)
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    _run(block, seen, autocast)
-    if cuda:
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return seconds_of(lambda: _run(block, seen, autocast), model_device(block))[1]
 
 
 def time_block_modes(
@@ -168,7 +161,6 @@ def time_block_modes(
     if not seen.seen:
         raise RuntimeError(seen.error or f"block {name!r} was not called")
     block = model.get_submodule(name)
-    cuda = model_device(block).type == "cuda"
     times: dict[str, list[float]] = {m: [] for m in modes}
     began = time.perf_counter()
     try:
@@ -176,7 +168,7 @@ def time_block_modes(
             for r in range(rounds + 1):
                 for mode in modes:
                     set_block_modes(model, {name: mode})
-                    took = _timed_run(block, seen, autocast, cuda)
+                    took = _timed_run(block, seen, autocast)
                     if r > 0:
                         times[mode].append(took)
                 if r > 0:  # round 0 warms each mode up

@@ -18,13 +18,13 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import statistics
-import time
 
 import torch
 from torch import nn
 
-from memfit.devices import model_device
+from memfit.devices import model_device, seconds_of
 from memfit.measuring.preserve import preserved
 from memfit.measuring.tracker import MemoryWatch
 from memfit.precision import Precision, as_precision
@@ -102,13 +102,8 @@ def measure(
         peak, breakdown, acts = tracked_step(model, batch, loss_fn, optimizer, prec, micro_batches)
         times = []
         for _ in range(steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            training_step(model, batch, loss_fn, optimizer, prec, micro_batches)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
+            step = functools.partial(training_step, model, batch, loss_fn, optimizer, prec, micro_batches)
+            times.append(seconds_of(step, device)[1])
         if scaler_state:
             prec.scaler.load_state_dict(scaler_state)
     return MemoryReport(

@@ -54,7 +54,7 @@ from memfit.checkpointing import (
     uncheckpoint,
 )  # fmt: skip
 from memfit.checkpointing.segments import chain_probe
-from memfit.devices import Room, model_device, room, room_needed
+from memfit.devices import Room, model_device, room, room_needed, synchronize
 from memfit.errors import InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
@@ -412,8 +412,7 @@ class Profiler:
         marks: dict[str, float] = {}
 
         def mark(name: str) -> None:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
             marks[name] = time.perf_counter()
 
         with configured(self.model, self.blocks, mode, self.timed_with):

@@ -21,13 +21,13 @@ Example:
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from memfit.checkpointing import set_block_modes
+from memfit.devices import seconds_of
 from memfit.precision import Precision
 from memfit.records import Speed
 
@@ -42,13 +42,7 @@ def _best(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     fn()
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, seconds_of(fn, device)[1])
     return best
 
 

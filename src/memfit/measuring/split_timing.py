@@ -26,17 +26,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 
-import torch
 from torch import nn
 
 from memfit import progress
 from memfit.checkpointing import set_block_modes, uncheckpoint
-from memfit.devices import model_device
+from memfit.devices import model_device, seconds_of
 from memfit.measuring.prices import micro_label
 from memfit.measuring.timing_lever import TimingLever
 from memfit.precision import Precision
@@ -127,6 +127,7 @@ def split_seconds(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Pr
     multiple of 4), gradients accumulating, scaled to all.
 
     Example:
+        >>> import torch
         >>> model = nn.Linear(4, 1)
         >>> loss = lambda m, b: m(b[0]).pow(2).mean()
         >>> split_seconds(model, (torch.ones(8, 4),), loss, Precision("fp32"), 4) > 0
@@ -134,14 +135,7 @@ def split_seconds(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Pr
     """
     share = next(d for d in (4, 2, 1) if parts % d == 0) if parts > 1 else 1
     first = split_batch(batch, share)[0] if share > 1 else batch
-    device = model_device(model)
-    cuda = device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    training_step(model, first, loss_fn, None, precision, parts // share)
-    if cuda:
-        torch.cuda.synchronize(device)
-    took = time.perf_counter() - start
+    step = functools.partial(training_step, model, first, loss_fn, None, precision, parts // share)
+    took = seconds_of(step, model_device(model))[1]
     model.zero_grad(set_to_none=True)
     return took * share

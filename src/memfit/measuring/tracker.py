@@ -33,7 +33,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRef
 from torch.utils._pytree import tree_flatten
 
 from memfit.checkpointing.compile import eager
-from memfit.devices import model_device
+from memfit.devices import model_device, synchronize
 
 __all__ = ["BlockMemory", "MemoryWatch", "PhaseTracker", "block_memory", "breakdown_of"]
 __all__ += ["fsdp_breakdown_of", "is_fsdp"]
@@ -112,8 +112,8 @@ class MemoryWatch:
         return self._parts(self._tracker.get_tracker_snapshot("current").get(self.device, {}))
 
     def __enter__(self) -> MemoryWatch:
+        synchronize(self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         # registered before MemTracker's own global hooks so it runs first;
         # see Note [compiled code runs eagerly when tracked]
@@ -139,8 +139,8 @@ class MemoryWatch:
             self._hook = None
         self.breakdown = self._parts(self._tracker.get_tracker_snapshot("peak").get(self.device, {}))
         self.peak_bytes = sum(self.breakdown.values())
+        synchronize(self.device)
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
             # On a GPU the allocator's peak is the truth: it also counts what MemTracker
             # does not see (the batch, cuBLAS workspaces); the difference goes to temporaries.
             self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))

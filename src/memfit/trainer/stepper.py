@@ -35,7 +35,7 @@ from torch import nn
 from memfit.check.guards import Guard, GuardConfig
 from memfit.checkpointing import checkpointed_blocks, refuse_double_checkpointing
 from memfit.checkpointing.compile import is_compiled
-from memfit.devices import model_device, unwrap
+from memfit.devices import model_device, synchronize, unwrap
 from memfit.errors import ConfigError, InfeasibleBudget, OutOfMemory, is_out_of_memory
 from memfit.loop import planned_step, prepare, prepared
 from memfit.measuring.tracker import MemoryWatch
@@ -246,8 +246,7 @@ class Stepper:
         snapshot = StepSnapshot.take(unwrap(self.model), self.optimizer)
         attempt = 0
         while True:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+            synchronize(self.device)
             start = time.perf_counter()
             error = None
             try:
@@ -259,8 +258,7 @@ class Stepper:
             # Out of the except clause, the error's traceback (and the activations its frames
             # hold) is gone before re-planning needs the memory.
             if error is None:
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
+                synchronize(self.device)
                 return StepOutcome(result, peak, tracked, time.perf_counter() - start)
             self._recover_from_oom(batch, snapshot, error, attempt)
             attempt += 1
