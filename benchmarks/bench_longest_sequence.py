@@ -18,7 +18,8 @@ gradient within ``EXACT``.
 
 Last, the answer's plan against the plain step at ``--also-at`` lengths (where the plain step
 runs; interleaved rounds). ``--plan-json FILE`` (a ``PLAN`` line saved) times a known answer so,
-without planning.
+without planning. ``--without tiled_mlp`` plans with ``levers="all"`` less the levers named: the
+lever set memfit had before issue 38 (its "before" figure, priced and measured the same way).
 
 Run: ``HF_HUB_OFFLINE=1 .venv-extras/bin/python benchmarks/bench_longest_sequence.py [--lora]``
 (prints ``MEASURED``, ``PLAN`` and ``RESULT {json}`` lines).
@@ -48,6 +49,8 @@ from bench_long_context import BUDGET, _hf_step, _lora, _loss, _model, _tokens, 
 
 import memfit
 from memfit import progress
+from memfit.applying.registry import allowed_levers, site_of
+from memfit.devices import model_device
 from memfit.records import Plan
 
 #: Loss and gradients of the plan's forward and backward against the plain step's.
@@ -164,6 +167,15 @@ def _at_lengths(
     return out
 
 
+def _levers(model: torch.nn.Module, opt: torch.optim.Optimizer, without: str) -> str | list[str]:
+    """``"all"``, or where ``without`` names levers, those of ``"all"`` that can run here less them."""
+    left_out = {n for n in without.split(",") if n}
+    if not left_out:
+        return "all"
+    site = site_of(model_device(model), opt, "fp32", model)
+    return [n for n in allowed_levers("all", site)[0] if n not in left_out]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lora", action="store_true")
@@ -175,6 +187,7 @@ def main() -> None:
         "--also-at", default="768,4096", help="lengths to time the answer's plan against plain"
     )
     parser.add_argument("--plan-json", help="a plan saved by an earlier run: time it at --also-at only")
+    parser.add_argument("--without", default="", help='levers left out of levers="all" (comma-separated)')
     args = parser.parse_args()
     progress.configure(quiet=False)  # the search's phases on stderr, in a log too
     torch.set_num_threads(1)
@@ -187,13 +200,14 @@ def main() -> None:
         _at_lengths(reference, Plan.from_json(Path(args.plan_json).read_text()), also_at, args.steps + 2)
         return
     opt = torch.optim.AdamW(_trainable(model), lr=1e-4)
+    levers = _levers(model, opt, args.without)
     started = time.perf_counter()
     if args.seq:  # one length, planned as memfit.plan plans it (no search)
-        plan = memfit.plan(model, _tokens(args.seq), _loss, BUDGET, opt, "fp32", levers="all")
+        plan = memfit.plan(model, _tokens(args.seq), _loss, BUDGET, opt, "fp32", levers=levers)
         plan = dataclasses.replace(plan, seq_len=args.seq)
     else:
         plan = memfit.plan(
-            model, _tokens(args.start), _loss, BUDGET, opt, "fp32", levers="all", maximize="seq_len"
+            model, _tokens(args.start), _loss, BUDGET, opt, "fp32", levers=levers, maximize="seq_len"
         )
     planned = time.perf_counter() - started
     x = _tokens(plan.seq_len)
