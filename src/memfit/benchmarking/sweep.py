@@ -278,7 +278,7 @@ def _timed_step(b: _Bench, run: _Run) -> None:
     step = functools.partial(
         training_step, run.model, b.batch, b.loss_fn, run.optimizer, run.precision, run.strategy.micro_batches
     )
-    run.point.step_times.append(seconds_of(step, b.device)[1])
+    run.point.step_times.append(seconds_of(step, b.device))
     run.parked = park(run.model, run.optimizer, b.device)
 
 

@@ -134,7 +134,7 @@ def _run(block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractCon
 def _timed_run(
     block: nn.Module, seen: BlockInputs, autocast: Callable[[], AbstractContextManager[Any]]
 ) -> float:
-    return seconds_of(lambda: _run(block, seen, autocast), model_device(block))[1]
+    return seconds_of(lambda: _run(block, seen, autocast), model_device(block))
 
 
 def time_block_modes(

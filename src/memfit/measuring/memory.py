@@ -103,7 +103,7 @@ def measure(
         times = []
         for _ in range(steps):
             step = functools.partial(training_step, model, batch, loss_fn, optimizer, prec, micro_batches)
-            times.append(seconds_of(step, device)[1])
+            times.append(seconds_of(step, device))
         if scaler_state:
             prec.scaler.load_state_dict(scaler_state)
     return MemoryReport(

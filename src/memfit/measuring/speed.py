@@ -42,7 +42,7 @@ def _best(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     fn()
     best = float("inf")
     for _ in range(repeats):
-        best = min(best, seconds_of(fn, device)[1])
+        best = min(best, seconds_of(fn, device))
     return best
 
 

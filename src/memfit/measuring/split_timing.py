@@ -136,6 +136,6 @@ def split_seconds(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Pr
     share = next(d for d in (4, 2, 1) if parts % d == 0) if parts > 1 else 1
     first = split_batch(batch, share)[0] if share > 1 else batch
     step = functools.partial(training_step, model, first, loss_fn, None, precision, parts // share)
-    took = seconds_of(step, model_device(model))[1]
+    took = seconds_of(step, model_device(model))
     model.zero_grad(set_to_none=True)
     return took * share
