@@ -49,6 +49,7 @@ __all__ = [
     "round_ratios",
     "spread_of",
     "steady",
+    "time_noise",
     "timing_spread",
     "toward",
 ]
@@ -131,6 +132,27 @@ def timing_spread(ratios: Mapping[str, Sequence[float]]) -> float:
     return max((spread_of(ts) for ts in ratios.values()), default=0.0)
 
 
+def time_noise(times: Mapping[str, Sequence[float]]) -> float:
+    """How far rounds timed side by side moved a time, as a share of it: each label's seconds
+    over ``none``'s in the same round (:func:`spread_of`), and ``none``'s own seconds across
+    the rounds, outliers kept (:func:`moved`: a load that moved between rounds); the largest.
+    See Note [a load that moves] in memfit/planning/choose.py.
+
+    Example:
+        >>> time_noise({"none": [1.0, 1.0, 1.0], "full": [1.2, 1.3, 1.25]})  # the extras spread 0.2
+        0.04
+        >>> time_noise({"none": [1.0, 2.0, 1.0], "full": [1.2, 2.4, 1.2]})  # the load moved
+        0.5
+    """
+    none = times.get("none") or []
+    shares = [
+        spread_of([t / n for t, n in zip(ts, none, strict=False) if n > 0])
+        for label, ts in times.items()
+        if label != "none"
+    ]
+    return round(max([moved(none), *shares]), 12)
+
+
 def toward(measured: float, prior: float, spread: float, width: float = RECOMPUTE_WIDTH) -> float:
     """``measured`` moved towards ``prior`` in log space by as much as ``spread`` says it is
     unsure: weight ``1 / (1 + (spread / width)^2)`` on the measurement
@@ -206,7 +228,7 @@ def _monotone(ratios: list[float]) -> list[float]:
 def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]], split: int = 1) -> None:
     """Record the step's seconds in each count of micro-batches over whole: the median of the
     steady rounds, at least :data:`LEAST_MICRO_RATIO`, made non-decreasing in the count; and
-    how far the rounds spread (``Speed.micro_spread``). Where the step timed was one of
+    how far each count's rounds spread (``Speed.micro_spreads``). Where the step timed was one of
     ``split`` micro-batches, its counts are of those (:func:`_from_split`).
 
     No prior pulls these: what splitting costs a model's kernels (a convolution on one image
@@ -219,7 +241,9 @@ def _fit_micro_batches(prof: Profile, ratios: Mapping[str, Sequence[float]], spl
     medians = _monotone([max(LEAST_MICRO_RATIO, statistics.median(steady(rs))) for _, rs in found])
     counts = [k for k, _ in found]
     sp.micro_batches, sp.micro_batch_ratios = _from_split(counts, medians, split) if counts else ([], [])
-    sp.micro_spread = max((spread_of(rs) for _, rs in found), default=0.0)
+    spreads = [spread_of(rs) for _, rs in found]
+    # the count the step was timed in (first, where split) is not a ratio timed: the largest
+    sp.micro_spreads = [max(spreads, default=0.0)] * (len(sp.micro_batches) - len(spreads)) + spreads
 
 
 def _from_split(counts: list[int], ratios: list[float], split: int) -> tuple[list[int], list[float]]:
@@ -252,8 +276,9 @@ def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]], s
     ``recompute_scale``: the full extra, less one checkpoint call, over the block's scaled
     forward. ``selective_op_seconds``: what the selective extra leaves after its counted
     recompute and call, per op dispatched (forward and recompute), never below the
-    micro-benchmark's. ``spread``: the largest spread of the rounds the checkpointing prices
-    were fitted to.
+    micro-benchmark's. ``spreads``: the spread of the rounds each price was fitted to (of its
+    extras), ``spread`` the largest; ``noise``: how far the rounds moved a time
+    (:func:`time_noise`).
     """
     sp: Speed | None = prof.speed
     block = next((b for b in prof.blocks if b.name == name), None)
@@ -261,22 +286,26 @@ def fit_prices(prof: Profile, name: str, times: Mapping[str, Sequence[float]], s
         return
     sp.timed_block = name
     ratios = round_ratios(times)
-    spreads = [0.0]
+    spreads: dict[str, float] = {}
     if ratios.get("full"):
-        spreads.append(_fit_recompute(prof, block, ratios["full"]))
+        spreads["full"] = _fit_recompute(prof, block, ratios["full"])
     if ratios.get("selective") and block.forward_ops:
-        spreads.append(_fit_selective(prof, block, ratios["selective"]))
-    sp.spread = min(1.0, max(spreads))
+        spreads["selective"] = _fit_selective(prof, block, ratios["selective"])
+    sp.spreads, sp.spread = spreads, max(spreads.values(), default=0.0)
+    sp.noise = max(sp.noise, time_noise(times))
 
 
 def fit_split(prof: Profile, times: Mapping[str, Sequence[float]], split: int = 1) -> None:
-    """Fit ``prof.speed``'s ``micro_batches`` and ``micro_batch_ratios`` (their spread in
-    ``micro_spread``) to the step's forward and backward timed whole (``"none"``) and in
+    """Fit ``prof.speed``'s ``micro_batches`` and ``micro_batch_ratios`` (their spreads in
+    ``micro_spreads``; how far the step whole moved across the rounds in ``noise``) to the
+    step's forward and backward timed whole (``"none"``) and in
     micro-batches (:func:`micro_label`), the i-th entries side by side
     (:func:`~memfit.measuring.split_timing.time_split_steps`); the step timed was one of
     ``split`` micro-batches (:func:`_from_split`). Nothing timed: the lists stay empty."""
     if prof.speed is not None:
         _fit_micro_batches(prof, round_ratios(times) if times.get("none") else {}, split)
+        # each count's own rounds are its plans' spread; the step whole's are the machine's
+        prof.speed.noise = max(prof.speed.noise, moved(times.get("none") or []))
 
 
 class TimedSteps(NamedTuple):
@@ -348,7 +377,8 @@ def fit_time_model(
             fit_prices(prof, timed_block, times, steps.micro_batches)
         fit_split(prof, split_times or {}, steps.micro_batches)
         plain = _as_plain(prof, steps, *step)
-    sp.spread = max(sp.spread, moved([t[2] for t in steps.times]))  # See Note [a load that moves]
+    whole = moved([t[2] for t in steps.times])  # See Note [a load that moves]
+    sp.spread, sp.noise = max(sp.spread, whole), max(sp.noise, whole)
     sp.forward_scale, sp.backward_scale = plain[0] / work, plain[1] / work
     prof.step_seconds, sp.timed_as = plain[2], steps.described
     fill_times(prof)

@@ -39,7 +39,7 @@ from memfit.devices import device_facts, recommend_precision
 from memfit.errors import ConfigError, InfeasibleBudget, UnsupportedPrecision
 from memfit.planning.solver import Solution, counted_work, minimum_peak, solve
 from memfit.planning.standard import PREFER_STANDARD, standard_solutions
-from memfit.records import Plan, PlanReport, Profile
+from memfit.records import Plan, PlanReport, Profile, Speed
 from memfit.stepmodel import Option, block_options, predict_options_seconds, simulate_options, tiling
 from memfit.vocab import PRECISIONS, PrecisionName, normalize_modes, normalize_precision
 
@@ -132,20 +132,27 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # per op) are timed, and on a loaded machine they swing by tens of percent from one call
 # to the next, while the counts they price (FLOPs, bytes, ops) are exact. So a difference
 # in predicted time counts only where it is larger than the timings could make it: the
-# rounds of the block timed alone give the spread of the extras the prices were fitted to
-# (Speed.spread, half their range over their median; 1 where a fit was clamped), and two
-# plans tie where their times differ by less than TIE of a step plus that spread of both
-# plans' extras over the whole batch at its cheapest (solver.as_fast: a price off by that
-# fraction moves each extra by as much; in the final choice, the larger of that spread and
-# the micro-batch rounds', below). What micro-batches cost is timed as the step in
-# them over the step whole, round by round, so a plan in micro-batches is uncertain by
-# those rounds' spread (Speed.micro_spread) of its whole time, not only of what splitting
-# adds, or by the spread of the checkpointing rounds where that is larger (both sets of
-# rounds ran moments apart: either scattering says the machine is loaded, and a few rounds
-# can agree by chance; See Note [a load that moves]), plus MICRO_CARRIED of what splitting
-# adds (the counts between those timed are interpolated). NOISE_CAP does not bound that
-# spread here: no count orders a split against a checkpoint. So micro-batches replace a
-# whole-batch plan only where clearly faster.
+# rounds of the block timed alone give the spread of the extras each price was fitted to
+# (Speed.spreads, half their range over their median; 1 where a fit was clamped), and two
+# plans tie where their times differ by less than TIE of a step plus each plan's band. In
+# the solver, the band is the largest spread (Speed.spread) of both plans' extras over the
+# whole batch at its cheapest (solver.as_fast: a price off by that fraction moves each
+# extra by as much). In the final choice, each plan's checkpointing extras take the spread
+# of the prices they use: a selective extra of 1% of a block, fitted to rounds within 4% of
+# the block, spreads 1.0, and that says nothing about a plan that only recomputes whole
+# blocks. Every band is at least the machine's noise (Speed.noise): how far the rounds
+# moved a time as a share of it (a mode over none in one round, none's own times across
+# the rounds and the step's split rounds, the whole steps across the profile; a few rounds
+# can agree by chance, so every set counts; See Note [a load that moves]). What
+# micro-batches cost is timed as the step in them over the step whole, round by round, so
+# a plan in micro-batches is uncertain, as a whole time, by the spread of the rounds of the
+# counts it is priced from (Speed.micro_spreads) or the machine's noise, whichever is
+# larger, plus MICRO_CARRIED of what splitting adds (the counts between those timed are
+# interpolated). NOISE_CAP does not bound that band: no count orders a split against a
+# checkpoint. So micro-batches replace a whole-batch plan only where clearly faster: on a
+# quiet machine, by more than a few percent of the step (the GPT 6 x 384 at 70%: 11%,
+# against a band near 7%); with both cores busy, by more than the 30-60% the load moves a
+# time (measured on the README's GPT).
 # Among ties the key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -193,9 +200,10 @@ class _Found(NamedTuple):
     """Predicted step seconds."""
     uncertain: float
     """How far timing noise can move them: checkpointing's extra over every block at its
-    cheapest, times the larger spread of the rounds (at most :data:`NOISE_CAP`), and, in
-    micro-batches, the whole time times that spread (at most 1); plus :data:`MICRO_CARRIED`
-    of what micro-batches add (See Note [plans repeat])."""
+    cheapest, times the spread of the prices it uses (at most :data:`NOISE_CAP`), and, in
+    micro-batches, the whole time times its counts' spread (at most 1), each at least the
+    machine's noise; plus :data:`MICRO_CARRIED` of what micro-batches add.
+    See Note [plans repeat]."""
     work: tuple[int, int]
     """What its options add, counted (:func:`~memfit.planning.solver.counted_work`), and the
     forward ops its micro-batches after the first dispatch again (with selective's ops)."""
@@ -213,18 +221,35 @@ def _cheapest(prof: Profile) -> list[Option]:
     return tiling(prof, [(block_options(b) or ["none"])[0] for b in prof.blocks])
 
 
+def _count_spread(sp: Speed, micro: int) -> float:
+    """The spread of the rounds a step in ``micro`` micro-batches is priced from: the counts
+    timed either side of it (its own where it was timed; the last beyond them)."""
+    timed = list(zip(sp.micro_batches, sp.micro_spreads, strict=False))
+    below = [s for k, s in timed if k <= micro][-1:]
+    above = [s for k, s in timed if k >= micro][:1]
+    return max(below + above, default=0.0)
+
+
+def _uncertain(sp: Speed, sol: Solution, micro: int, seconds: float, whole: float, extra: float) -> float:
+    """How far timing noise can move a plan's ``seconds`` (See Note [plans repeat]): its
+    checkpointing ``extra`` by the spread of the prices they use, and a plan in micro-batches
+    as a whole by its counts' rounds; each at least by how far the machine moved a time."""
+    modes = {"full" for _ in sol.segments} | set(sol.modes)
+    extras = max((sp.spreads.get(m, sp.spread) for m in modes - {"none"}), default=0.0)
+    # the cap keeps checkpointing extras three times apart told apart; a split has no such count
+    band = min(NOISE_CAP, max(sp.noise, extras)) * extra
+    if micro > 1:
+        band += min(1.0, max(sp.noise, _count_spread(sp, micro))) * seconds
+        band += MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
+    return band
+
+
 def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, peak: int = -1) -> _Found:
     seconds = predict_options_seconds(prof, sol.options, micro)
     whole = predict_options_seconds(prof, sol.options, 1)
     checkpointing = max(0.0, whole - predict_options_seconds(prof, _cheapest(prof), 1))
     sp = prof.speed
-    uncertain = 0.0
-    if sp is not None:
-        split = seconds if micro > 1 else 0.0  # See Note [plans repeat]
-        machine = max(sp.spread, sp.micro_spread)  # the rounds of one moment: the machine's noise
-        carried = MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
-        # the cap keeps checkpointing extras three times apart told apart; a split has no such count
-        uncertain = min(NOISE_CAP, machine) * checkpointing + min(1.0, machine) * split + carried
+    uncertain = 0.0 if sp is None else _uncertain(sp, sol, micro, seconds, whole, checkpointing)
     counted = [counted_work(prof, o) for o in sol.options]
     # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])
     repeated = (micro - 1) * (sum(b.forward_ops for b in prof.blocks) + prof.outside.forward_ops)

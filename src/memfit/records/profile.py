@@ -155,10 +155,20 @@ class Speed(Record):
     kept, where they disagree more (the load moved: See Note [a load that moves] in
     memfit/planning/choose.py). The chooser counts predictions that differ by less than
     this as ties (See Note [plans repeat])."""
-    micro_spread: float = 0.0
-    """How far the rounds ``micro_batch_ratios`` were fitted to disagree (half their range
-    over their median, the largest): a plan in micro-batches is that uncertain as a whole
-    (the step split is timed against the step whole, so the noise of both is in it)."""
+    spreads: dict[str, float] = field(default_factory=dict)
+    """``spread`` per checkpointing mode: how far the rounds its price was fitted to disagree,
+    in the units the price is used in (that mode's extras). Empty: ``spread`` stands for every
+    mode."""
+    noise: float = 0.0
+    """How far the machine moved a time while the profile ran, as a share of that time: the
+    rounds of ``timed_block`` (each mode over ``none`` in the same round), ``none``'s own times
+    across the rounds and across the step's split rounds, and the whole steps timed across the
+    profile, outliers kept (See Note [a load that moves] in memfit/planning/choose.py); the
+    largest. A plan in micro-batches is uncertain by this much of its whole time, at least."""
+    micro_spreads: list[float] = field(default_factory=list)
+    """For each of ``micro_batches``, how far the rounds its ratio was fitted to disagree (half
+    their range over their median): a plan in that many micro-batches is that uncertain as a
+    whole (the step split is timed against the step whole, so the noise of both is in it)."""
     micro_batches: list[int] = field(default_factory=list)
     """Micro-batch counts the step's forward and backward were timed in (its rows split
     evenly; memfit/measuring/split_timing.py), side by side with it whole (empty: not measured)."""

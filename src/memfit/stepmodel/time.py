@@ -280,9 +280,16 @@ def time_note(profile: Profile) -> str:
         f"{sp.selective_op_seconds * 1e6:.3g} us per op"
         + (f" (fitted to {sp.timed_block} run alone {sp.selective_steps} times)" * bool(sp.selective_steps))
         + _micro_note(sp)
-        + (f"; the rounds those prices were fitted to spread ±{sp.spread:.0%}" if sp.spread else "")
+        + _spread_note(sp)
         + "."
     )
+
+
+def _spread_note(sp: Speed) -> str:
+    per_mode = ", ".join(f"{m} ±{v:.0%}" for m, v in sp.spreads.items())
+    spread = f"; the rounds those prices were fitted to spread ±{sp.spread:.0%}" if sp.spread else ""
+    spread += f" ({per_mode})" if spread and len(sp.spreads) > 1 else ""
+    return spread + (f"; the machine moved a time by ±{sp.noise:.0%} while profiling" if sp.noise else "")
 
 
 def _micro_note(sp: Speed) -> str:
