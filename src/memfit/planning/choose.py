@@ -150,9 +150,9 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # larger, plus MICRO_CARRIED of what splitting adds (the counts between those timed are
 # interpolated). NOISE_CAP does not bound that band: no count orders a split against a
 # checkpoint. So micro-batches replace a whole-batch plan only where clearly faster: on a
-# quiet machine, by more than a few percent of the step (the GPT 6 x 384 at 70%: 11%,
-# against a band near 7%); with both cores busy, by more than the 30-60% the load moves a
-# time (measured on the README's GPT).
+# quiet machine, by more than a few percent of the step (the GPT 6 x 384 at 70%: 11%
+# faster, against a band of about 8% of the step); with both cores busy, by more than the
+# 30-60% the load moves a time (measured on the README's GPT).
 # Among ties the key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -234,8 +234,8 @@ def _uncertain(sp: Speed, sol: Solution, micro: int, seconds: float, whole: floa
     """How far timing noise can move a plan's ``seconds`` (See Note [plans repeat]): its
     checkpointing ``extra`` by the spread of the prices they use, and a plan in micro-batches
     as a whole by its counts' rounds; each at least by how far the machine moved a time."""
-    modes = {"full" for _ in sol.segments} | set(sol.modes)
-    extras = max((sp.spreads.get(m, sp.spread) for m in modes - {"none"}), default=0.0)
+    # a block in a segment is "full" among sol.modes
+    extras = max((sp.spreads.get(m, sp.spread) for m in set(sol.modes) - {"none"}), default=0.0)
     # the cap keeps checkpointing extras three times apart told apart; a split has no such count
     band = min(NOISE_CAP, max(sp.noise, extras)) * extra
     if micro > 1:
