@@ -17,7 +17,7 @@ from memfit.trainer.callbacks import read_metrics
 from memfit.trainer.state import load_state
 
 TESTS = Path(__file__).parent.parent
-STEPS = 10
+STEPS = 20
 CONFIG = """
 [model]
 name = "import:slow_gpt:build"
@@ -79,11 +79,14 @@ def test_sigterm_to_one_rank_stops_all_after_the_same_step(tmp_path: Path) -> No
     agent = _torchrun(config)
     try:
         deadline = time.monotonic() + 180
+        # rank 1's worker is found before the steps are watched: on a busy machine, scanning
+        # /proc between step 3 and the signal once let the run finish first
+        while (worker := _worker_of_rank(agent.pid, 1)) is None:
+            assert agent.poll() is None and time.monotonic() < deadline, "no worker of rank 1 started"
+            time.sleep(0.02)
         while not (read_metrics(out / "metrics.jsonl") and read_metrics(out / "metrics.jsonl")[-1].step >= 3):
             assert agent.poll() is None and time.monotonic() < deadline, "the run ended before the signal"
             time.sleep(0.02)
-        worker = _worker_of_rank(agent.pid, 1)
-        assert worker is not None
         os.kill(worker, signal.SIGTERM)  # rank 1 only; rank 0 learns it at the end of the step
         _, err = agent.communicate(timeout=180)
     finally:
