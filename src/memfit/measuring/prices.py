@@ -144,13 +144,8 @@ def time_noise(times: Mapping[str, Sequence[float]]) -> float:
         >>> time_noise({"none": [1.0, 2.0, 1.0], "full": [1.2, 2.4, 1.2]})  # the load moved
         0.5
     """
-    none = times.get("none") or []
-    shares = [
-        spread_of([t / n for t, n in zip(ts, none, strict=False) if n > 0])
-        for label, ts in times.items()
-        if label != "none"
-    ]
-    return round(max([moved(none), *shares]), 12)
+    shares = [spread_of(rs) for rs in _over_none(times).values()]
+    return round(max([moved(times["none"]), *shares]), 12)
 
 
 def toward(measured: float, prior: float, spread: float, width: float = RECOMPUTE_WIDTH) -> float:
@@ -161,16 +156,19 @@ def toward(measured: float, prior: float, spread: float, width: float = RECOMPUT
     return math.exp(weight * math.log(measured) + (1 - weight) * math.log(prior))
 
 
+def _over_none(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Per round, each label's seconds over ``none``'s in the same round (``times`` has
+    ``"none"``)."""
+    none = times["none"]
+    return {
+        m: [t / n for t, n in zip(ts, none, strict=False) if n > 0] for m, ts in times.items() if m != "none"
+    }
+
+
 def round_ratios(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
     """Per round, each mode's seconds over ``none``'s less 1 (its extra), and the runs in
     micro-batches over ``none``'s (:func:`micro_label`)."""
-    none = times["none"]
-    out: dict[str, list[float]] = {}
-    for mode, ts in times.items():
-        if mode != "none":
-            minus = 0.0 if mode.startswith(MICRO) else 1.0
-            out[mode] = [t / n - minus for t, n in zip(ts, none, strict=False) if n > 0]
-    return out
+    return {m: [r - (0.0 if m.startswith(MICRO) else 1.0) for r in rs] for m, rs in _over_none(times).items()}
 
 
 def _whole(prof: Profile, block: BlockStats) -> float:
