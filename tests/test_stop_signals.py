@@ -201,3 +201,40 @@ def test_a_signal_ignored_before_stays_ignored() -> None:
     finally:
         signal.signal(signal.SIGHUP, before)
     assert len(history) == 4 and trainer.stop_reason is None
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not in this build")
+def test_a_stop_asked_while_the_ranks_agree_stops_every_rank_after_the_next_step(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A signal handled inside the all-reduce that agrees on the stop (where a rank waits for
+    the others, most of a step on a loaded machine) was overwritten by the agreement's "no
+    stop", and that rank ran to the end (tests/integrations/test_distributed_signals.py failed
+    so under load). Kept, it is agreed after the next step, on every rank at once."""
+    from memfit.trainer import signals
+    from memfit.trainer.distributed import DistContext
+
+    # one process in a gloo group stands for the rank: the step's own collectives run
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'group'}", rank=0, world_size=1
+    )
+    model = torch.nn.Linear(4, 1)
+    trainer = Trainer(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).pow(2).mean(), "fp32",
+        progress=False, dist=DistContext(mode="ddp", rank=0, world_size=1),
+    )  # fmt: skip
+    agreements: list[int] = []
+
+    def all_reduce_max(code: int, ctx: DistContext) -> int:
+        agreements.append(code)
+        if len(agreements) == 2:  # the signal lands while this rank waits for the others
+            trainer.stop(STOP_REASONS[signal.SIGTERM])
+        return code  # the other rank had no stop to add
+
+    monkeypatch.setattr(signals, "global_max", all_reduce_max)
+    try:
+        history = trainer.fit([torch.randn(8, 4)] * 6, steps=6)
+    finally:
+        torch.distributed.destroy_process_group()
+    assert [m.step for m in history] == [1, 2, 3]
+    assert agreements == [0, 0, 15] and trainer.stop_reason == STOP_REASONS[signal.SIGTERM]

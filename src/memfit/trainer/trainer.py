@@ -360,9 +360,12 @@ class Trainer:
                     bar.update(start + 1)
                 if phase is not None:
                     phase.advance(1, postfix, timed=not compiled)
-                self.stop_reason = agreed_stop(self.stop_reason, self.dist)
-                if self.stop_reason is not None:
+                agreed = agreed_stop(self.stop_reason, self.dist)
+                if agreed is not None:
+                    self.stop_reason = agreed
                     break
+                # a stop asked while the ranks agreed (a signal handled inside the all-reduce)
+                # is kept, not overwritten: the next step's agreement stops every rank
             completed = True
         finally:
             bar.close()
