@@ -18,6 +18,7 @@ EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estim
 	tests/integrations/test_peft_plan.py tests/integrations/test_peft_loops.py \
 	tests/integrations/test_peft_train.py tests/integrations/test_peft_refusals.py \
 	tests/integrations/test_order_zoo.py tests/integrations/test_hf_checkpointing_spelling.py \
+	tests/integrations/test_zoo_twin_memory.py \
 	tests/checkpointing_ported/test_ported_transformers.py tests/test_docs_names.py \
 	tests/integrations/test_tiled_mlp_hf.py tests/integrations/test_twin_hf_mask.py \
 	tests/integrations/test_longest_sequence_hf.py

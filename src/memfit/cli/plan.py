@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         f"{describe(_answered_batch(batch, result, args.maximize))}: budget "
         f"{format_bytes(result.budget_bytes)}, fp32 no-checkpointing peak "
         f"{format_bytes(result.report.baseline_peak_bytes)}"
-        + (" (under fake tensors: it does not fit here)" if result.report.baseline_from != "tracked" else "")
+        + ("" if result.report.baseline_fits else " (under fake tensors: it does not fit here)")
     )
     print()
     print(plan_table(result))

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         f"{type(model).__name__} on {prof.device}, {prof.precision}, batch {describe(batch)}, "
         f"{prof.optimizer}: {'measured' if prof.memory_from == 'tracked' else 'estimated'} peak "
         f"{format_bytes(prof.measured_peak_bytes)} with no checkpointing"
-        + (" (under fake tensors: it does not fit here)" if prof.memory_from != "tracked" else "")
+        + ("" if prof.plain_fits else " (under fake tensors: it does not fit here)")
         + f", step {prof.step_seconds * 1e3:.1f} ms"
     )
     print()

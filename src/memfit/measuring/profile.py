@@ -8,7 +8,8 @@ can stop where the rest cannot change its answer:
    parameters + gradients + optimizer state are then known;
 2. one tracked step with no checkpointing: the measured peak, every block's memory, its
    FLOPs (FlopCounterMode), bytes written and ops dispatched, and which blocks form a
-   plain chain (where segments may go);
+   plain chain (where segments may go); on the fake twin where the plain step does not
+   fit, and for the planner wherever the twin runs (Note [one measuring path], twin.py);
 3. one tracked step per checkpointing mode, in which identical blocks run once
    (:mod:`memfit.measuring.repeated_blocks`): the others pass their input through;
 4. a few timed steps and micro-benchmarks (:mod:`memfit.measuring.speed`) for the time
@@ -65,7 +66,6 @@ from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.order import between_blocks, put_in_run_order, run_order
 from memfit.measuring.phases import (
     StepMemory,
-    grad_bytes_of,
     optimizer_state_bytes,
     phased_step,
     profile_from_memory,
@@ -135,7 +135,11 @@ class Profiler:
         self.estimate: StepMemory | None = None
         """The plain step under fake tensors."""
         self.fake = False
-        """Memory is measured on the fake twin: the plain step does not fit the room."""
+        """Memory is measured on the fake twin (the plain step does not fit, or :attr:`twin_memory`)."""
+        self.twin_memory = False
+        """Memory on the fake twin wherever it runs (the planner's; Note [one measuring path], twin.py)."""
+        self.plain_in_room = True
+        """The plain step fits the room (False: whole steps are timed in a configuration that does)."""
         self.timing: tuple[CheckpointMode, int] = ("none", 1)
         """The mode and micro-batches whole steps were timed in."""
         self.within: int | None = None
@@ -150,7 +154,8 @@ class Profiler:
         fits (None: none may be; See Note [timing with a lever])."""
         self.timed_with: TimingLever | None = None  # the lever whole steps were timed with
 
-    def _phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
+    def phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
+        """A progress phase named for this precision."""
         return progress.phase(f"{self.precision.mode}: {what}", total)
 
     def _subject(self, on_twin: bool) -> tuple[nn.Module, Batch, _Optimizer | None, Precision, _Context]:
@@ -193,7 +198,7 @@ class Profiler:
         if self.twin is None and not self.twin_error:
             started = time.perf_counter()
             try:
-                with self._phase("one step under fake tensors (nothing allocated)"), fake_logs_held():
+                with self.phase("one step under fake tensors (nothing allocated)"), fake_logs_held():
                     self.twin = make_twin(self.model, self.optimizer, self.batch)
                     self.estimate = self._plain_step(on_twin=True)
             except Exception as exc:  # See Note [fake tensors first, real tensors where they fail]
@@ -212,24 +217,30 @@ class Profiler:
         return self.estimate.peak if self.estimate is not None else None
 
     def plain_fits(self) -> bool:
-        """Whether the plain step fits the device's room now (unknown room or estimate: True)."""
+        """Whether the plain step fits the device's room now (unknown: True), kept in ``plain_in_room``."""
         peak = self.estimated_peak()
         if self.room is None:  # See Note [room after the fake step]
             self.room = room(model_device(self.model))
         if peak is None or self.estimate is None:
-            return True
-        if self.within is not None and peak > self.within:  # See Note [real steps within the budget]
-            return False
-        return self.room is None or self.room.fits(peak - self.estimate.start)
+            fits = True
+        elif self.within is not None and peak > self.within:  # See Note [real steps within the budget]
+            fits = False
+        else:
+            fits = self.room is None or self.room.fits(peak - self.estimate.start)
+        self.plain_in_room = fits
+        return fits
 
     def none(self) -> StepMemory:
         """The plain step's memory, FLOPs and chain links: tracked for real where it fits the
-        device's room, else under fake tensors (``fake`` is then True; the batch is checked)."""
+        device's room and :attr:`twin_memory` is off, else under fake tensors (``fake`` is then
+        True)."""
         create_optimizer_state(self.model, self.optimizer)
-        if self.plain_fits():
+        if self.plain_fits() and self.twin_memory and self.estimate is not None:
+            return self.use_estimate()  # See Note [one measuring path] in memfit/measuring/twin.py
+        if self.plain_in_room:
             started = time.perf_counter()
             try:
-                with self._phase("one tracked step without checkpointing"):
+                with self.phase("one tracked step without checkpointing"):
                     mem = self._plain_step(on_twin=False)
             except Exception as exc:
                 if not is_out_of_memory(exc):
@@ -238,6 +249,7 @@ class Profiler:
                     raise OutOfMemory(self._full_message(exc)) from None
                 uncheckpoint(self.model)
                 self.failed.add(("none", 1, ""))
+                self.plain_in_room = False
                 self.measured.append(
                     "the step without checkpointing ran out of memory: measured under fake tensors"
                 )
@@ -282,42 +294,6 @@ class Profiler:
             f"free the device ({type(exc).__name__})."
         )
 
-    def quick_peak(self) -> int | None:
-        """The no-checkpointing peak from a step that runs only the distinct blocks (an estimate).
-
-        Worth it where most blocks are identical (two thirds or more would pass through);
-        None otherwise, or when a block that ran is not residual after all. The estimate
-        lets a hopeless fraction budget be refused before a whole tracked step.
-        """
-        if not self.blocks:
-            return None
-        skipped = stand_ins(self.model, self.blocks, [True] * len(self.blocks))
-        if 3 * len(skipped) < 2 * len(self.blocks):
-            return None
-        create_optimizer_state(self.model, self.optimizer)
-        uncheckpoint(self.model)
-        active = [b for b in self.blocks if b not in skipped]
-        started = time.perf_counter()
-        with (
-            self._phase(f"estimating the peak from {len(active)} blocks"),
-            every_layer_runs(self.model),
-            skipping(self.model, list(skipped)),
-            batch_errors(self.model, self.batch),
-            chain_probe(self.model, active) as probe,
-        ):
-            mem = phased_step(self.model, self.batch, self.loss_fn, self.optimizer, self.precision, active)
-        self.measured.append(
-            f"1 tracked step at {self.precision.mode} of {len(active)} of {len(self.blocks)} blocks, to "
-            f"estimate the peak ({time.perf_counter() - started:.2f} s)"
-        )
-        if not all(probe.keeps_shape):
-            return None
-        prof = profile_from_memory(
-            self.model, self.blocks, {"none": mem}, self.precision.mode, batch_size(self.batch), skipped
-        )
-        prof.grad_bytes = grad_bytes_of(self.model)
-        return simulate(prof, "none").peak_bytes
-
     def modes(self, modes: Sequence[CheckpointMode]) -> None:
         """One step per mode, identical blocks run once (the others pass through): tracked, or
         on the fake twin where the plain step did not fit."""
@@ -326,7 +302,7 @@ class Profiler:
         model, batch, optimizer, precision, context = self._subject(self.fake)
         started = time.perf_counter()
         how = "fake-tensor" if self.fake else "tracked"
-        shown = self._phase(f"{how} steps per checkpointing mode", len(modes))  # none: no line
+        shown = self.phase(f"{how} steps per checkpointing mode", len(modes))  # none: no line
         with context, skipping(model, list(self.stand_in)), shown as ph:
             for mode in modes:
                 set_block_modes(model, {b: mode for b in active})
@@ -351,9 +327,7 @@ class Profiler:
         memfit/measuring/timing_lever.py.
         """
         self.timed_with = None
-        if ("none", 1, "") not in self.failed and (
-            not self.fake or (self.room is None and self.within is None)
-        ):
+        if ("none", 1, "") not in self.failed and self.plain_in_room:
             return "none", 1
         if "full" not in self.memory and self.blocks:
             self.modes([m for m in CHECKPOINT_MODES if m != "none"])
@@ -435,8 +409,9 @@ class Profiler:
                     capture_block_inputs(self.model, capture)
                     if capture
                     else nullcontext(BlockInputs()) as seen,
-                    self._phase(f"timing whole steps{self._described()}", n) as ph,
+                    self.phase(f"timing whole steps{self._described()}", n) as ph,
                     every_layer_runs(self.model),
+                    batch_errors(self.model, self.batch),  # the first real step where memory was fake
                 ):
                     return [self._timed(*self.timing) for _ in ph.over(range(n))], seen
             except Exception as exc:
@@ -455,12 +430,13 @@ class Profiler:
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
         started = time.perf_counter()
-        self.times += self._timed_steps(repeats)[0]
-        with self._phase("micro-benchmarks of the device"):
+        cold = self.fake and not self.times  # no real step ran: the first one warms up, untimed
+        self.times += self._timed_steps(repeats + cold)[0][cold:]
+        with self.phase("micro-benchmarks of the device"):
             self.speed = device_speed(model_device(self.model), self.precision)
         self.measured.append(
-            f"{repeats} timed step(s) at {self.precision.mode}{self._described()} and "
-            f"micro-benchmarks ({time.perf_counter() - started:.2f} s)"
+            f"{repeats} timed step(s) at {self.precision.mode}{self._described()}{' after 1 untimed' * cold} "
+            f"and micro-benchmarks ({time.perf_counter() - started:.2f} s)"
         )
 
     def time_checkpointed(self, steps: int, rounds: int = BLOCK_ROUNDS) -> None:
@@ -518,6 +494,7 @@ class Profiler:
         prof.input_bytes = tensor_bytes(self.batch)
         prof.measured_peak_bytes = self.memory["none"].peak
         prof.memory_from = "fake tensors" if self.fake else "tracked"
+        prof.plain_fits = self.plain_in_room
         if self.times:
             prof.step_seconds = statistics.median(t[2] for t in self.times)
         if self.speed is not None and self.times:

@@ -32,6 +32,7 @@ from memfit.levers.head import chunked_head_on
 from memfit.measuring.lever_facts import head_facts
 from memfit.measuring.preserve import create_optimizer_state
 from memfit.measuring.profile import Profiler, TimingLever
+from memfit.measuring.quick_peak import quick_peak
 from memfit.planning.budgets import fixed_bytes
 from memfit.planning.choose import TIE, fixed_bytes_message, plan_from_profiles
 from memfit.planning.notes import complete_profile
@@ -110,6 +111,7 @@ def _profilers(request: Request, heads: dict[str, HeadFacts]) -> tuple[dict[str,
         r = request
         prof = Profiler(r.model, r.batch, r.loss_fn, r.optimizer, precision, blocks=r.blocks)
         prof.within = r.steps_within
+        prof.twin_memory = True  # See Note [one measuring path] in memfit/measuring/twin.py
         # See Note [timing with a lever] in memfit/measuring/timing_lever.py
         if CHUNKED_LOSS.name in r.levers:
             prof.lean = partial(_chunked_head, r, p, heads)
@@ -146,7 +148,7 @@ def _profiles(request: Request, complete: bool) -> Measured:
     profilers, base = _profilers(request, heads)
     if request.budget.is_fraction:
         estimate = base.estimated_peak() if request.room is not None else None
-        estimate = estimate if estimate is not None else base.quick_peak()
+        estimate = estimate if estimate is not None else quick_peak(base)
         # Note [refusing on the estimate]
         # A fractional budget is refused on the estimated peak only with a 5% margin; a
         # budget nearer than that is decided by the measured peak.

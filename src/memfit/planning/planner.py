@@ -76,7 +76,7 @@ def _choose(request: Request, measured: Measured) -> tuple[Chosen, dict[str, str
     # See Note [the step's forwards with the head in chunks] in memfit/measuring/lever_facts.py
     chunkable = CHUNKED_LOSS.name in allowed and head_refusal(request.model) is None
     for prof in profs.values() if allowed else []:
-        chunked = chunkable and prof.memory_from != "tracked"
+        chunked = chunkable and not prof.plain_fits
         with progress.phase(f"{prof.precision}: what the levers change (the loss head, frozen weights)"):
             head = measured.head.get(prof.precision)
             attach_lever_facts(
@@ -100,7 +100,7 @@ def _room_notes(r: Room | None, profiles: Mapping[str, Profile]) -> list[str]:
     """What was estimated rather than measured, because the plain step does not fit the room."""
     out = []
     for p, prof in profiles.items():
-        if prof.memory_from != "tracked":
+        if not prof.plain_fits:
             where = f"the device's room ({r.source})" if r is not None else "the device's room"
             out.append(
                 f"{p}: the step without checkpointing ({format_bytes(prof.measured_peak_bytes)}) does not "
@@ -115,12 +115,14 @@ def _made(
 ) -> Plan:
     """The plan returned: the checked decision, what it was made for, and its report, made once."""
     chosen, profs = checked.plan, measured.profiles
+    base = profs.get("fp32", next(iter(profs.values())))
     report = PlanReport(
         predicted_peak_bytes=chosen.report.predicted_peak_bytes,
         predicted_step_seconds=chosen.report.predicted_step_seconds,
         baseline_peak_bytes=chosen.report.baseline_peak_bytes,
         baseline_step_seconds=chosen.report.baseline_step_seconds,
-        baseline_from=profs.get("fp32", next(iter(profs.values()))).memory_from,
+        baseline_from=base.memory_from,
+        baseline_fits=base.plain_fits,
         budget_bytes=measured.budget_bytes,
         measured_peak_bytes=checked.measured_peak_bytes,
         notes=(

@@ -79,7 +79,9 @@ class PlanReport(Record):
     baseline_step_seconds: float = 0.0
     baseline_from: str = "tracked"
     """How ``baseline_peak_bytes`` was found: ``"tracked"`` (a real step) or ``"fake tensors"``
-    (the plain step does not fit the device, so it was measured on a fake-tensor twin)."""
+    (on a fake-tensor twin, as the planner measures wherever the twin runs)."""
+    baseline_fits: bool = True
+    """The step without checkpointing fits the device's room (False: it ran only on the twin)."""
     budget_bytes: int = 0
     measured_peak_bytes: int = 0
     """The plan's peak as measured when it was made (0: not measured)."""

@@ -227,7 +227,11 @@ class Profile(Record):
     ``memory_from`` says so, under fake tensors)."""
     memory_from: str = "tracked"
     """Where the memory numbers come from: ``"tracked"`` (real steps, PyTorch's MemTracker) or
-    ``"fake tensors"`` (the same steps on a fake twin: the plain step does not fit the device)."""
+    ``"fake tensors"`` (the same steps on a fake twin: the planner's, or the plain step does not
+    fit the device; :attr:`plain_fits` says which)."""
+    plain_fits: bool = True
+    """The step without checkpointing fits the device's room (False: it ran only on the fake
+    twin, and whole steps were timed in a configuration that fits)."""
     step_seconds: float = 0.0
     """Median step time of the model with no checkpointing."""
     outside_before_bytes: int = 0
