@@ -296,7 +296,7 @@ class Profiler:
 
     def modes(self, modes: Sequence[CheckpointMode]) -> None:
         """One step per mode, identical blocks run once (the others pass through): tracked, or
-        on the fake twin where the plain step did not fit."""
+        on the fake twin where :meth:`none` measured there."""
         modes = [m for m in modes if m not in self.memory]
         active = [b for b in self.blocks if b not in self.stand_in]
         model, batch, optimizer, precision, context = self._subject(self.fake)

@@ -91,11 +91,11 @@ def _fake_optimizer(optimizer: torch.optim.Optimizer, fakes: dict[int, Any]) -> 
 # may keep its scalar in a buffer of the batch's rows: 28-96 bytes on the tests' small
 # models; tests/test_one_measuring_path.py). Across the third-party zoo
 # (tests/integrations/test_zoo_twin_memory.py) 50 of 52 models match within 0.0001%; on
-# BART and Swin the twin counts 0.5-2.5% more, the safe side. A real tracked step costs
-# several plain steps on a small model (2-18x one under load), the twin's Python costs about
-# the same quiet or busy. Real steps still time the step, and one real tracked step checks
-# the chosen plan. memfit.profile tracks real steps where they fit: it reports what one
-# measures. Where the twin cannot run, every memory step is real.
+# BART and Swin the twin counts 0.5-2.5% more, the safe side. A real tracked step of the
+# README's GPT costs 2 of its plain steps quiet and up to 10 with both cores busy; the
+# twin's Python costs about the same quiet or busy. Real steps still time the step, and
+# one real tracked step checks the chosen plan. memfit.profile tracks real steps where they
+# fit: it reports what one measures. Where the twin cannot run, every memory step is real.
 #
 # Note [room after the fake step]
 # The device's room is read after the fake step, which loads what a first step needs
