@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from zoo import PREDICTION, TOL, VARIANTS, Entry, all_entries
+from zoo import PREDICTION, TOL, VARIANTS, Entry, all_entries, available
 
 import memfit
 from memfit.checkpointing import checkpointed_blocks
@@ -29,18 +29,8 @@ from memfit.checkpointing import checkpointed_blocks
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def _available(entry: Entry) -> Any:
-    library = entry.name.split("/")[0]
-    have = {"transformers": "transformers", "torchvision": "torchvision", "timm": "timm"}[library]
-    try:
-        __import__(have)
-    except ImportError:
-        return pytest.param(entry, id=entry.name, marks=pytest.mark.skip(reason=f"{have} not installed"))
-    return pytest.param(entry, id=entry.name)
-
-
 ZOO = all_entries()
-ENTRIES = [_available(e) for e in ZOO]
+ENTRIES = [available(e) for e in ZOO]
 
 
 def _step(

@@ -9,11 +9,10 @@ the twin is held against the same step on real tensors.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import pytest
 import torch
-from zoo import PREDICTION, Entry, all_entries
+from zoo import PREDICTION, Entry, all_entries, available
 
 from memfit.measuring.preserve import preserved
 from memfit.measuring.profile import Profiler
@@ -28,16 +27,6 @@ KERNEL_SLACK = 4096
 #: (measured in issue 36: BART 0.7-2.5% per mode, Swin 0-1.0%).
 TWIN_OVER = {"transformers/bart", "transformers/swin"}
 MODES = ("none", "selective", "full")
-
-
-def _available(entry: Entry) -> Any:
-    library = {"transformers": "transformers", "torchvision": "torchvision", "timm": "timm"}
-    have = library[entry.name.split("/")[0]]
-    try:
-        __import__(have)
-    except ImportError:
-        return pytest.param(entry, id=entry.name, marks=pytest.mark.skip(reason=f"{have} not installed"))
-    return pytest.param(entry, id=entry.name)
 
 
 def _peaks(entry: Entry, twin: bool) -> tuple[dict[str, int], str]:
@@ -56,7 +45,7 @@ def _peaks(entry: Entry, twin: bool) -> tuple[dict[str, int], str]:
         return {m: prof.memory[m].peak for m in prof.memory}, prof.result().memory_from
 
 
-@pytest.mark.parametrize("entry", [_available(e) for e in all_entries()])
+@pytest.mark.parametrize("entry", [available(e) for e in all_entries()])
 def test_the_twin_counts_what_a_real_step_holds(entry: Entry) -> None:
     twin, source = _peaks(entry, twin=True)
     real, _ = _peaks(entry, twin=False)

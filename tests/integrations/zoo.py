@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,13 @@ def all_entries() -> list[Entry]:
     from zoo_vision import VISION
 
     return HF + VISION + BLOCKS3 + ESTIMATE3 + ORDER3
+
+
+def available(entry: Entry) -> Any:
+    """``entry`` as a pytest parameter named for it, skipped where its library is not installed."""
+    have = entry.name.split("/")[0]  # transformers, torchvision or timm: the import names
+    try:
+        __import__(have)
+    except ImportError:
+        return pytest.param(entry, id=entry.name, marks=pytest.mark.skip(reason=f"{have} not installed"))
+    return pytest.param(entry, id=entry.name)
