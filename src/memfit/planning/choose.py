@@ -149,10 +149,14 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # counts it is priced from (Speed.micro_spreads) or the machine's noise, whichever is
 # larger, plus MICRO_CARRIED of what splitting adds (the counts between those timed are
 # interpolated). NOISE_CAP does not bound that band: no count orders a split against a
-# checkpoint. So micro-batches replace a whole-batch plan only where clearly faster: on a
-# quiet machine, by more than a few percent of the step (the GPT 6 x 384 at 70%: 11%
-# faster, against a band of about 8% of the step); with both cores busy, by more than the
-# 30-60% the load moves a time (measured on the README's GPT).
+# checkpoint. Two plans in micro-batches of one precision are priced from the same split
+# rounds, so an error there moves both the same way: between them that band counts once
+# (the larger), not once each. Counted twice, it tied 2 micro-batches recomputing 3 blocks
+# of the ResNet-18-style CNN at 60% with 4 recomputing nothing, predicted and measured 12%
+# faster, in 3 calls of 4 (issue 36). So micro-batches replace a whole-batch plan only
+# where clearly faster: on a quiet machine, by more than a few percent of the step (the
+# GPT 6 x 384 at 70%: 11% faster, against a band of about 8% of the step); with both cores
+# busy, by more than the 30-60% the load moves a time (measured on the README's GPT).
 # Among ties the key is exact: the fewest micro-batches, then the least counted work
 # (solver.counted_work: first the ops selective checkpointing dispatches, the price a CPU
 # makes dearest and FLOPs do not see, then the FLOPs recomputed, FlopCounterMode's
@@ -214,6 +218,9 @@ class _Found(NamedTuple):
     sol: Solution
     micro: int = 1
     """Micro-batches."""
+    split_band: float = 0.0
+    """The part of ``uncertain`` its micro-batches' whole time takes from the split rounds'
+    spread (0 for the batch whole): shared with every plan of its precision in micro-batches."""
 
 
 def _cheapest(prof: Profile) -> list[Option]:
@@ -230,18 +237,22 @@ def _count_spread(sp: Speed, micro: int) -> float:
     return max(below + above, default=0.0)
 
 
-def _uncertain(sp: Speed, sol: Solution, micro: int, seconds: float, whole: float, extra: float) -> float:
+def _uncertain(
+    sp: Speed, sol: Solution, micro: int, seconds: float, whole: float, extra: float
+) -> tuple[float, float]:
     """How far timing noise can move a plan's ``seconds`` (See Note [plans repeat]): its
     checkpointing ``extra`` by the spread of the prices they use, and a plan in micro-batches
-    as a whole by its counts' rounds; each at least by how far the machine moved a time."""
+    as a whole by its counts' rounds; each at least by how far the machine moved a time. The
+    second number is that last part, the split band."""
     # a block in a segment is "full" among sol.modes
     extras = max((sp.spreads.get(m, sp.spread) for m in set(sol.modes) - {"none"}), default=0.0)
     # the cap keeps checkpointing extras three times apart told apart; a split has no such count
     band = min(NOISE_CAP, max(sp.noise, extras)) * extra
-    if micro > 1:
-        band += min(1.0, max(sp.noise, _count_spread(sp, micro))) * seconds
-        band += MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
-    return band
+    if micro <= 1:
+        return band, 0.0
+    split = min(1.0, max(sp.noise, _count_spread(sp, micro))) * seconds
+    carried = MICRO_CARRIED * max(0.0, seconds - whole)  # interpolated between the counts timed
+    return band + split + carried, split
 
 
 def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, peak: int = -1) -> _Found:
@@ -249,30 +260,38 @@ def _found(prof: Profile, precision: str, rank: int, sol: Solution, micro: int, 
     whole = predict_options_seconds(prof, sol.options, 1)
     checkpointing = max(0.0, whole - predict_options_seconds(prof, _cheapest(prof), 1))
     sp = prof.speed
-    uncertain = 0.0 if sp is None else _uncertain(sp, sol, micro, seconds, whole, checkpointing)
+    uncertain, split = (0.0, 0.0) if sp is None else _uncertain(sp, sol, micro, seconds, whole, checkpointing)
     counted = [counted_work(prof, o) for o in sol.options]
     # each micro-batch after the first dispatches every forward op again (See Note [plans repeat])
     repeated = (micro - 1) * (sum(b.forward_ops for b in prof.blocks) + prof.outside.forward_ops)
     work = (sum(c[0] for c in counted) + repeated, sum(c[1] for c in counted))
     peak = sol.peak_bytes if peak < 0 else peak
-    return _Found(seconds, uncertain, work, peak, rank, precision, sol, micro)
+    return _Found(seconds, uncertain, work, peak, rank, precision, sol, micro, split)
 
 
 def _noise(prof: Profile) -> float:
     return min(NOISE_CAP, prof.speed.spread) if prof.speed is not None else 0.0
 
 
+def _noise_of_both(a: _Found, b: _Found) -> float:
+    """How far timing noise can move two plans apart: both bands, the split band once where
+    both are in micro-batches of one precision (priced from the same split rounds, an error
+    there moves both the same way; See Note [plans repeat])."""
+    shared = min(a.split_band, b.split_band) if a.precision == b.precision else 0.0
+    return a.uncertain + b.uncertain - shared
+
+
 def _ties(fastest: _Found, other: _Found, tie: float) -> bool:
     """Whether ``other`` is as fast as ``fastest``: slower by at most ``tie`` plus what the
     noise can move both (the rule of :func:`~memfit.planning.solver.as_fast`)."""
-    return other.seconds - fastest.seconds <= tie + fastest.uncertain + other.uncertain
+    return other.seconds - fastest.seconds <= tie + _noise_of_both(fastest, other)
 
 
 def _near(custom: _Found, standard: _Found, prefer: float) -> bool:
     """Whether ``standard`` is the plan rather than ``custom``: at most ``prefer`` slower, the
     timing noise counted in its favour where its counted work is no more, against it where
     it is more (See Note [plans repeat])."""
-    noise = custom.uncertain + standard.uncertain
+    noise = _noise_of_both(custom, standard)
     slower = standard.seconds - custom.seconds
     return slower <= prefer + (noise if standard.work <= custom.work else -noise)
 
