@@ -160,7 +160,7 @@ def option_seconds(
 # micro-batches, round after round). A floor of each part's counted ops dispatched again,
 # once per extra micro-batch, made the parts add up to more than the step measured (the
 # Llama's 4 micro-batches predicted at 1.07x its plain step, measured at 0.95x, and a plan
-# recomputing 2 blocks in 2 micro-batches chosen over them, 15% slower); those ops are the
+# recomputing 2 blocks in 2 micro-batches chosen over them, 17% slower); those ops are the
 # price only where nothing was measured. Never more than running whole once per extra
 # micro-batch. A plan in k micro-batches costs its whole-batch time plus that (less, where
 # splitting measured faster), so the chooser weighs micro-batches against checkpointing
