@@ -61,11 +61,8 @@ OUTLIER_MADS = 3.0
 #: How far (natural log) a recompute's price may stray from the forward's by the prior.
 RECOMPUTE_WIDTH = 0.5
 #: The least the step in micro-batches is taken to cost over whole (a measured gain below
-#: this is a disturbed timing). Not 1: on a CPU a part of fewer rows can run faster per row,
-#: its working set in cache; the HF Llama of benchmarks/pressure_models.py ran 0.90-0.97x in
-#: 2 and 4 micro-batches round after round, and 4 of the ResNet-18-style CNN measured 0.92x
-#: its plain step side by side (issue 36).
-LEAST_MICRO_RATIO = 0.75
+#: this is a disturbed timing).
+LEAST_MICRO_RATIO = 1.0
 
 
 def micro_label(micro_batches: int) -> str:
@@ -212,7 +209,7 @@ def _fit_selective(prof: Profile, block: BlockStats, extras: Sequence[float]) ->
 
 def _monotone(ratios: list[float]) -> list[float]:
     """``ratios`` made non-decreasing (pooled where a later one is lower): more micro-batches
-    never cost less than fewer (of two or more), however the rounds fell.
+    never cost less, however the rounds fell.
 
     Example:
         >>> _monotone([2.4, 2.2, 1.7, 3.0])

@@ -153,8 +153,8 @@ def _step_seconds(profiles: Mapping[str, Profile]) -> float:
 # rounds, so an error there moves both the same way: between them that band counts once
 # (the larger), not once each. Counted twice, it tied 2 micro-batches recomputing 3 blocks
 # of the ResNet-18-style CNN at 60% with 4 recomputing nothing (the 2 predicted and
-# measured 12% slower) in 3 calls of 4 (issue 36); counted once, in 2 calls of 10,
-# those where the machine moved a time by 7-8% (there the two still tie). So
+# measured 12% slower) in 3 calls of 4 (issue 36); counted once, in 1 call of 9,
+# where the machine moved a time by 7% (there the two still tie). So
 # micro-batches replace a whole-batch plan only where clearly faster: on a quiet
 # machine, by more than a few percent of the step (the GPT 6 x 384 at 70%: 11% faster,
 # against a band of about 8% of the step); with both cores busy, by more than the 30-60%

@@ -154,17 +154,12 @@ def option_seconds(
 # micro_batch_ratios; memfit/measuring/split_timing.py), linear in k between those (a call's
 # ``a + b * rows`` makes k calls cost ``k * a + b * rows``). Every part pays that ratio of its
 # whole time (one block timed split and carried to the others missed a CNN by 1.4x), and a
-# checkpointed block pays it again on its recompute; so the parts add up to the ratio the
-# step measured. The ratio may be below 1: on a CPU fewer rows can run faster per row, their
-# working set in cache (the HF Llama of the benchmarks ran 0.90-0.97x in 2 and 4
-# micro-batches, round after round). A floor of each part's counted ops dispatched again,
-# once per extra micro-batch, made the parts add up to more than the step measured (the
-# Llama's 4 micro-batches predicted at 1.07x its plain step, measured at 0.95x, and a plan
-# recomputing 2 blocks in 2 micro-batches chosen over them, 17% slower); those ops are the
-# price only where nothing was measured. Never more than running whole once per extra
-# micro-batch. A plan in k micro-batches costs its whole-batch time plus that (less, where
-# splitting measured faster), so the chooser weighs micro-batches against checkpointing
-# wherever both fit.
+# checkpointed block pays it again on its recompute. Never less than its counted ops
+# dispatched again once per extra micro-batch (a ratio below that is a disturbed timing, and
+# without a measurement those ops alone are the price), never more than running whole once
+# per extra micro-batch. A plan in k micro-batches costs its whole-batch time plus that:
+# priced like everything else, never free, so the chooser weighs micro-batches against
+# checkpointing wherever both fit.
 
 
 def micro_batch_ratio(speed: Speed, micro_batches: int) -> float | None:
@@ -194,15 +189,14 @@ def _ops_share(profile: Profile, part: BlockStats) -> float:
 
 def call_seconds(profile: Profile, part: BlockStats, micro_batches: int) -> float:
     """Seconds ``micro_batches`` add to ``part``'s forward and backward over one run whole (its
-    recompute aside; below 0 where the step measured faster split).
-    See Note [what a micro-batch costs]."""
+    recompute aside). See Note [what a micro-batch costs]."""
     sp = profile.speed
     if sp is None or micro_batches <= 1:
         return 0.0
     whole = (sp.forward_scale + sp.backward_scale) * forward_work(profile, part)
+    dispatched = (micro_batches - 1) * _ops_share(profile, part)  # every op again: the least
     ratio = micro_batch_ratio(sp, micro_batches)
-    # not measured: every op dispatched again once per extra micro-batch
-    added = (micro_batches - 1) * _ops_share(profile, part) if ratio is None else ratio - 1
+    added = dispatched if ratio is None else max(dispatched, ratio - 1)
     return whole * min(micro_batches - 1, added)
 
 
