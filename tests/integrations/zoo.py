@@ -74,9 +74,15 @@ def all_entries() -> list[Entry]:
     return HF + VISION + BLOCKS3 + ESTIMATE3 + ORDER3
 
 
+#: The libraries the zoo's entries come from: the first part of an entry's name, its import name.
+LIBRARIES = ("transformers", "torchvision", "timm")
+
+
 def available(entry: Entry) -> Any:
     """``entry`` as a pytest parameter named for it, skipped where its library is not installed."""
-    have = entry.name.split("/")[0]  # transformers, torchvision or timm: the import names
+    have = entry.name.split("/")[0]
+    if have not in LIBRARIES:
+        raise ValueError(f"zoo entry {entry.name!r} names no library of {LIBRARIES}")
     try:
         __import__(have)
     except ImportError:
