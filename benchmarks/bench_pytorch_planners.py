@@ -122,9 +122,8 @@ def _eager(case: Case, base: int, budgets: list[float]) -> list[Variant]:
 def _compiled(case: Case, ambs: list[float], base: int, memfit_budgets: list[float]) -> list[Variant]:
     out = []
     for amb in ambs:
-        v = _variant(f"compile amb={amb}", case, pt.compiled(case.model), compiled=True)
-        with pt.compile_budget(amb):
-            v.step(case)  # compiles
+        v = _variant(f"compile amb={amb}", case, pt.compiled(case.model, amb), compiled=True)
+        v.step(case)  # compiles
         out.append(v)
     for b in memfit_budgets:
         model = copy.deepcopy(case.model)
@@ -161,9 +160,17 @@ def _fresh(name: str) -> tuple[nn.Module, Any, Callable[..., torch.Tensor], torc
     return c.model, c.batch, c.loss_fn, c.optimizer
 
 
-def _measure(case: Case, variants: list[Variant], rounds: int) -> None:
+def _measure(case: Case, variants: list[Variant], rounds: int) -> list[Variant]:
+    """Peaks and step times of ``variants``; returns those whose step ran (one that raises is
+    printed with its error, and left out)."""
+    ran = []
     for v in variants:
-        v.step(case)  # the optimizer's state, and a warm-up
+        try:
+            v.step(case)  # the optimizer's state, and a warm-up
+        except Exception as exc:  # a strategy PyTorch refuses on this model: a result, reported
+            print(f"{v.name}: its step fails: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            continue
+        ran.append(v)
         v.resident = _held(v, case.batch) + pt.rss_peak(lambda v=v: v.step(case))
         if not v.compiled:
             prec, micro = (v.plan.precision, v.plan.micro_batches) if v.plan is not None else ("fp32", 1)
@@ -171,10 +178,11 @@ def _measure(case: Case, variants: list[Variant], rounds: int) -> None:
                 v.model, case.batch, case.loss_fn, v.optimizer, prec, 1, micro
             ).peak_bytes
     for _ in range(rounds):
-        for v in variants:
+        for v in ran:
             started = time.perf_counter()
             v.step(case)
             v.times.append(time.perf_counter() - started)
+    return ran
 
 
 def _report(name: str, base: int, variants: list[Variant], budgets: list[float]) -> None:
@@ -223,8 +231,7 @@ def run(name: str, args: argparse.Namespace) -> None:
         variants += _compiled(case, args.amb, base, args.compiled_budgets)
     if not args.no_milp:
         variants += _milp(name, base, args.budgets, case)
-    _measure(case, variants, args.rounds)
-    _report(name, base, variants, args.budgets)
+    _report(name, base, _measure(case, variants, args.rounds), args.budgets)
 
 
 def _floats(text: str) -> list[float]:

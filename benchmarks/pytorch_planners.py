@@ -91,15 +91,29 @@ def sac_every_block(model: nn.Module, block_class: type[nn.Module]) -> nn.Module
     return model
 
 
-def compiled(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` under ``torch.compile`` (it compiles on its first call: run that
-    inside :func:`compile_budget`)."""
-    return torch.compile(copy.deepcopy(model))  # type: ignore[return-value]
+def compiled(model: nn.Module, budget: float = 1.0) -> nn.Module:
+    """A copy of ``model`` under ``torch.compile`` (Inductor), its graph partitioned with
+    ``torch._functorch.config.activation_memory_budget`` = ``budget``; it compiles on its
+    first call.
+
+    Each budget gets a backend of its own: dynamo keeps compiled graphs on the forward's code
+    object, and a second copy of the same model passes the first one's guards (nn modules are
+    inlined, their parameters inputs), so it would run the first one's graph, partitioned
+    under that budget. A different backend callable fails dynamo's backend match, so each
+    copy compiles, and its backend sets the budget while it partitions.
+    """
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable[..., object]:
+        with compile_budget(budget):
+            return compile_fx(gm, example_inputs)  # type: ignore[no-any-return]
+
+    return torch.compile(copy.deepcopy(model), backend=backend)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
 def compile_budget(budget: float) -> Iterator[None]:
-    """Compile (first calls) with ``torch._functorch.config.activation_memory_budget`` = ``budget``."""
+    """``torch._functorch.config.activation_memory_budget`` = ``budget`` while inside."""
     import torch._functorch.config as functorch_config
 
     with functorch_config.patch(activation_memory_budget=budget):
