@@ -151,14 +151,21 @@ class _CpuEvent:
 @contextlib.contextmanager
 def cpu_timing() -> Iterator[None]:
     """Let ``RuntimeEstimator``'s benchmark mode (and so ``SACEstimator``'s) time ops on a CPU:
-    its CUDA events, stream and synchronize become ``perf_counter`` ones."""
+    its events, stream and synchronize become ``perf_counter`` ones (torch 2.13 takes them from
+    ``torch.cuda``, 2.14 from ``torch.Event`` and ``torch.accelerator``)."""
     from unittest import mock
 
-    with (
-        mock.patch("torch.cuda.Event", _CpuEvent),
-        mock.patch("torch.cuda.current_stream", lambda *a, **k: None),
-        mock.patch("torch.cuda.synchronize", lambda *a, **k: None),
-    ):
+    def nothing(*args: object, **kwargs: object) -> None:
+        return None
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch("torch.cuda.Event", _CpuEvent))
+        stack.enter_context(mock.patch("torch.Event", _CpuEvent))
+        for name in ("torch.cuda.current_stream", "torch.cuda.synchronize"):
+            stack.enter_context(mock.patch(name, nothing))
+        if hasattr(torch, "accelerator"):
+            for name in ("torch.accelerator.current_stream", "torch.accelerator.synchronize"):
+                stack.enter_context(mock.patch(name, nothing))
         yield
 
 
