@@ -70,9 +70,19 @@ def _blocks(model: nn.Module, block_class: type[nn.Module]) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, block_class)]
 
 
+def _cache_off(model: nn.Module) -> nn.Module:
+    """``model`` with a Hugging Face config's ``use_cache`` off, as Hugging Face's own gradient
+    checkpointing does (with it on, a decoder layer's recompute extends a cache its forward
+    already extended: selective checkpointing then finds ops its forward did not run)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+    return model
+
+
 def full_every_block(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
     """A copy of ``model`` with ``torch.utils.checkpoint`` on every block."""
-    model = copy.deepcopy(model)
+    model = _cache_off(copy.deepcopy(model))
     for block in _blocks(model, block_class):
         _wrap(block, None)
     return model
@@ -84,7 +94,7 @@ def _keep_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPoli
 
 def sac_every_block(model: nn.Module, block_class: type[nn.Module]) -> nn.Module:
     """A copy of ``model`` with PyTorch's selective activation checkpointing on every block."""
-    model = copy.deepcopy(model)
+    model = _cache_off(copy.deepcopy(model))
     context = functools.partial(create_selective_checkpoint_contexts, _keep_policy)
     for block in _blocks(model, block_class):
         _wrap(block, context)
@@ -231,7 +241,7 @@ def sac_milp_policy(
     }
 
     def apply(real: nn.Module) -> nn.Module:
-        real = copy.deepcopy(real)
+        real = _cache_off(copy.deepcopy(real))
         for fqn, keep in per_op.items():
             names = sac.sac_mod_stats[fqn].func_names
             seen: Counter[str] = Counter()
