@@ -13,6 +13,8 @@ from busy_machine import busy_cores, plan_key
 from conftest import token_batch
 
 import memfit
+from memfit.devices import free_cores
+from memfit.measuring.speed import timing_threads
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 
 # the load is the test's own: two spinning processes for two cores, nothing else beside them
@@ -55,3 +57,26 @@ def test_five_plan_calls_on_the_readme_gpt_at_60_percent_on_a_busy_machine_give_
         assert all(h.poll() is None for h in hogs)
     assert len({plan_key(p) for p in plans}) == 1, [plan_key(p) for p in plans]
     assert all(p.measured_peak_bytes <= p.budget_bytes for p in plans)
+
+
+def test_steps_are_timed_on_the_free_cores_while_other_processes_keep_them_busy() -> None:
+    """See Note [timing on the free cores] in memfit/measuring/speed.py: with every core spinning
+    in another process, a profile times its steps on one thread and its report says so; torch's
+    own thread count is back afterwards."""
+    if free_cores() is None:
+        pytest.skip("this machine does not show its runnable threads (/proc/loadavg)")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=2, block_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # more threads than free cores, on any machine
+    try:
+        with busy_cores():
+            assert free_cores() == 0
+            assert timing_threads(torch.device("cpu"))[0] == 1
+            plan = memfit.plan(model, token_batch(4, 64), gpt_loss, "70%", opt, precision="fp32")
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    said = [line for line in plan.report.measured if "CPU threads" in line]
+    assert said and said[0].startswith("steps timed on 1 of 2 CPU threads"), plan.report.measured

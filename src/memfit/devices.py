@@ -38,6 +38,7 @@ __all__ = [
     "all_device_facts",
     "default_device",
     "device_facts",
+    "free_cores",
     "model_device",
     "recommend_precision",
     "recommendation_line",
@@ -222,6 +223,43 @@ def seconds_of(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+def _running_threads() -> int | None:
+    """The kernel's count of threads runnable right now, all processes (``/proc/loadavg``'s
+    fourth field, ``running/total``), or None where it cannot be read."""
+    try:
+        with open("/proc/loadavg", encoding="utf-8") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_cores(readings: int = 5, apart: float = 0.002) -> int | None:
+    """CPU cores that no other thread of this machine keeps busy now, or None where that is
+    unknown (no ``/proc/loadavg``, or this process may run on only some of the cores).
+
+    The least of ``readings`` counts of runnable threads, ``apart`` seconds apart, less the one
+    reading them: a thread that runs only now and then (a pool's worker winding down) is not
+    counted, a process that keeps a core busy is.
+
+    Example:
+        >>> n = free_cores()
+        >>> n is None or 0 <= n <= (os.cpu_count() or 1)
+        True
+    """
+    cores, affinity = os.cpu_count(), getattr(os, "sched_getaffinity", None)
+    if cores is None or affinity is None or len(affinity(0)) != cores:
+        return None
+    counts = []
+    for k in range(readings):
+        if k:
+            time.sleep(apart)
+        counts.append(_running_threads())
+    if any(c is None for c in counts):
+        return None
+    others = min(c for c in counts if c is not None) - 1
+    return max(0, cores - others)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -73,7 +73,7 @@ from memfit.measuring.phases import (
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.prices import TimedSteps, fit_time_model
 from memfit.measuring.repeated_blocks import skipping, stand_ins
-from memfit.measuring.speed import device_speed
+from memfit.measuring.speed import device_speed, timing_threads, torch_threads
 from memfit.measuring.split_timing import configured, split_counts, split_seconds, time_split_steps
 from memfit.measuring.timing_lever import TimingLever
 from memfit.measuring.twin import Twin, make_twin, twin_precision
@@ -153,6 +153,9 @@ class Profiler:
         """Makes the lever whole steps may be timed with where no configuration without it
         fits (None: none may be; See Note [timing with a lever])."""
         self.timed_with: TimingLever | None = None  # the lever whole steps were timed with
+        self.threads: int | None = None
+        """CPU threads every run is timed on, read when timing starts
+        (See Note [timing on the free cores] in memfit/measuring/speed.py)."""
 
     def phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
         """A progress phase named for this precision."""
@@ -427,8 +430,20 @@ class Profiler:
     def _described(self) -> str:
         return timing.describe_timing(*self.timing, self.timed_with.described if self.timed_with else "")
 
+    def _threads(self) -> AbstractContextManager[None]:
+        """Torch's threads set to those every run of this profile is timed on (chosen once)."""
+        if self.threads is None:
+            self.threads, why = timing_threads(model_device(self.model))
+            if why:
+                self.measured.append(why)
+        return torch_threads(self.threads)
+
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
+        with self._threads():
+            self._time(repeats)
+
+    def _time(self, repeats: int) -> None:
         started = time.perf_counter()
         cold = self.fake and not self.times  # no real step ran: the first one warms up, untimed
         self.times += self._timed_steps(repeats + cold)[0][cold:]
@@ -445,6 +460,10 @@ class Profiler:
         step's noise is as large as one recompute) and the step in micro-batches (splitting's)."""
         if not self.blocks:
             return
+        with self._threads():
+            self._time_checkpointed(steps, rounds)
+
+    def _time_checkpointed(self, steps: int, rounds: int) -> None:
         started = time.perf_counter()
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)

@@ -21,17 +21,19 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from memfit.checkpointing import set_block_modes
-from memfit.devices import seconds_of
+from memfit.devices import free_cores, seconds_of
 from memfit.precision import Precision
 from memfit.records import Speed
 
-__all__ = ["device_speed", "measure_speed"]
+__all__ = ["device_speed", "measure_speed", "timing_threads", "torch_threads"]
 
 #: Tiny ops in the selective-checkpointing micro-benchmark.
 _OPS = 24
@@ -123,7 +125,7 @@ def measure_speed(device: torch.device, precision: Precision, repeats: int = 3) 
 
 
 @functools.cache
-def _device_speed(device: str, mode: str) -> Speed:
+def _device_speed(device: str, mode: str, threads: int) -> Speed:
     return measure_speed(torch.device(device), Precision(mode, device=device))  # type: ignore[arg-type]
 
 
@@ -137,4 +139,60 @@ def device_speed(device: torch.device, precision: Precision) -> Speed:
         >>> a == b and a is not b
         True
     """
-    return Speed(**_device_speed(str(device), precision.mode).to_dict())
+    return Speed(**_device_speed(str(device), precision.mode, torch.get_num_threads()).to_dict())
+
+
+# Note [timing on the free cores]
+# Torch's CPU thread pool waits at the end of every parallel op for its slowest thread. Where
+# other processes keep cores busy, a pool as large as the machine has more threads than free
+# cores; a thread the kernel parks then holds up every op, and a step runs 10x slower for
+# seconds at a time (the README's GPT with both cores spinning: 5-second medians of 89-172 ms
+# on 2 threads, one of 1,299 ms; on 1 thread 84-109 ms, as fast and steady). Timings read
+# through such stalls price nothing the plan changes and take as long as they stall. So a
+# profile times its steps on no more threads than there are free cores (one at least), read
+# once when its timing starts, and says so; the prices it fits are ratios between runs timed
+# alike, and the micro-benchmarks are taken at that thread count too.
+
+
+def timing_threads(device: torch.device) -> tuple[int, str]:
+    """Threads to time steps on: torch's own count, or the free cores where other processes
+    keep the rest busy (See Note [timing on the free cores]); and a line saying why where fewer.
+
+    Example:
+        >>> n, why = timing_threads(torch.device("cpu"))
+        >>> 1 <= n <= torch.get_num_threads()
+        True
+    """
+    threads = torch.get_num_threads()
+    free = free_cores() if device.type == "cpu" and threads > 1 else None
+    if free is None or free >= threads:
+        return threads, ""
+    used = max(1, free)
+    why = (
+        f"steps timed on {used} of {threads} CPU threads: other processes kept "
+        f"{(os.cpu_count() or threads) - free} core(s) busy, and a thread pool larger than the free "
+        "cores stalls at random"
+    )
+    return used, why
+
+
+@contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """Torch's CPU thread count set to ``threads`` while the body runs, and put back after.
+
+    Example:
+        >>> before = torch.get_num_threads()
+        >>> with torch_threads(1):
+        ...     torch.get_num_threads()
+        1
+        >>> torch.get_num_threads() == before
+        True
+    """
+    before = torch.get_num_threads()
+    if threads != before:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
