@@ -72,7 +72,7 @@ from memfit.measuring.phases import (
 )
 from memfit.measuring.preserve import create_optimizer_state, preserved
 from memfit.measuring.prices import TimedSteps, fit_time_model
-from memfit.measuring.repeated_blocks import skipping, stand_ins
+from memfit.measuring.repeated_blocks import mode_steps, skipping, stand_ins
 from memfit.measuring.speed import device_speed, timing_threads, torch_threads
 from memfit.measuring.split_timing import configured, split_counts, split_seconds, time_split_steps
 from memfit.measuring.timing_lever import TimingLever
@@ -306,14 +306,13 @@ class Profiler:
         started = time.perf_counter()
         how = "fake-tensor" if self.fake else "tracked"
         shown = self.phase(f"{how} steps per checkpointing mode", len(modes))  # none: no line
+
+        def watched(mode: CheckpointMode) -> AbstractContextManager[object]:
+            return watch_copies(model, active, self.copied.setdefault(mode, {}))
+
         with context, skipping(model, list(self.stand_in)), shown as ph:
-            for mode in modes:
-                set_block_modes(model, {b: mode for b in active})
-                with watch_copies(model, active, self.copied.setdefault(mode, {})):
-                    self.memory[mode] = phased_step(
-                        model, batch, self.loss_fn, optimizer, precision, active, step_optimizer=False
-                    )
-                ph.advance(detail=mode)
+            step = (batch, self.loss_fn)
+            self.memory.update(mode_steps(model, step, optimizer, precision, active, modes, ph, watched))
             uncheckpoint(model)
         if modes:
             self.measured.append(

@@ -41,6 +41,7 @@ from memfit.vocab import CheckpointMode, PrecisionName
 __all__ = [
     "fast_profiles",
     "identical",
+    "mode_steps",
     "optimizer_temp",
     "outputs_keep_shape",
     "skipping",
@@ -176,17 +177,45 @@ def steps_per_mode(
         ['full', 'none']
     """
     active = [b for b in blocks if b not in skipped]
-    per_mode: dict[CheckpointMode, StepMemory] = {}
     with progress.phase(
         f"{precision.mode}: {what} ({len(active)} of {len(blocks)} blocks run)", len(modes)
     ) as ph:
-        for mode in modes:
-            set_block_modes(model, {b: mode for b in active})
+        per_mode = mode_steps(model, step, optimizer, precision, active, modes, ph)
+    return profile_from_memory(model, blocks, per_mode, precision.mode, batch_size(step[0]), skipped)
+
+
+def mode_steps(
+    model: nn.Module,
+    step: tuple[Batch, LossFn],
+    optimizer: torch.optim.Optimizer | None,
+    precision: Precision,
+    active: list[str],
+    modes: Sequence[CheckpointMode],
+    shown: progress.Phase,
+    around: Callable[[CheckpointMode], contextlib.AbstractContextManager[object]] | None = None,
+) -> dict[CheckpointMode, StepMemory]:
+    """One tracked step (forward and backward, no optimizer step) per mode, every block of
+    ``active`` in that mode and ``around(mode)`` held while it runs; ``shown`` advances per mode.
+    The blocks are left in the last mode (the caller puts them back).
+
+    Example:
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> step = (torch.randn(2, 4), lambda m, b: m(b).sum())
+        >>> with progress.phase("modes", 2) as ph:
+        ...     mem = mode_steps(model, step, None, Precision("fp32"), ["0", "1"], ["none", "full"], ph)
+        >>> sorted(mem), mem["full"].peak <= mem["none"].peak
+        (['full', 'none'], True)
+    """
+    per_mode: dict[CheckpointMode, StepMemory] = {}
+    for mode in modes:
+        set_block_modes(model, {b: mode for b in active})
+        with around(mode) if around is not None else contextlib.nullcontext():
             per_mode[mode] = phased_step(
                 model, step[0], step[1], optimizer, precision, active, step_optimizer=False
             )
-            ph.advance(detail=mode)
-    return profile_from_memory(model, blocks, per_mode, precision.mode, batch_size(step[0]), skipped)
+        shown.advance(detail=mode)
+    return per_mode
 
 
 def optimizer_temp(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
