@@ -53,6 +53,7 @@ from memfit.errors import ConfigError, InfeasibleBudget
 from memfit.levers.head import head_refusal
 from memfit.measuring.lever_facts import attach_lever_facts
 from memfit.measuring.preserve import preserved
+from memfit.measuring.speed import timing_threads, torch_threads
 from memfit.planning.checked import Checked, Chosen, check
 from memfit.planning.largest_batch import largest_batch
 from memfit.planning.lever_sets import plan_with_levers, replan_without
@@ -144,12 +145,14 @@ def _plan_batch(request: Request, profiles: Mapping[str, Profile] | None = None)
     started = time.perf_counter()
     model = request.model
     before = checkpointed_blocks(model)
+    threads, why = timing_threads(request.device)  # See Note [timing on the free cores]
     try:
         uncheckpoint(model)
-        with preserved(model, request.optimizer), progress.phase(request.phase):
+        with torch_threads(threads), preserved(model, request.optimizer), progress.phase(request.phase):
             measured = measure(request, profiles)
             chosen, refused, lines = _choose(request, measured)
             checked = check(request, chosen, measured) if request.check else Checked(chosen.plan, 0, (), ())
+        measured = replace(measured, lines=(why, *measured.lines)) if why else measured
         checked = replace(checked, lines=(*lines, *checked.lines))
         return _made(request, measured, checked, {**request.refused, **refused}, started)
     finally:
