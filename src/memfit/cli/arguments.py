@@ -217,7 +217,7 @@ def _demo(parser: argparse.ArgumentParser) -> None:
         "--threads",
         type=int,
         default=None,
-        help="CPU threads (default: 1 when the CPU is busy, else torch's)",
+        help="CPU threads (default: torch's, or the cores other processes leave free where fewer)",
     )
     add_quiet_argument(parser)
     parser.add_argument(

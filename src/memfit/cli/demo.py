@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from memfit.applying import apply
 from memfit.budget import Budget, format_bytes
 from memfit.cli.common import zero_grads_note
 from memfit.errors import ConfigError
+from memfit.measuring.speed import timing_threads
 from memfit.models.gpt import GPT, GPTConfig, gpt_loss
 from memfit.outputs import check_output_dir, write_text
 from memfit.planning.planner import plan
@@ -86,8 +86,7 @@ def _losses(k: int, diff: float) -> str:
 def _threads(asked: int | None) -> int:
     if asked is not None:
         return max(1, asked)
-    busy = hasattr(os, "getloadavg") and os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1)
-    return 1 if busy else torch.get_num_threads()
+    return timing_threads(torch.device("cpu"))[0]  # See Note [timing on the free cores]
 
 
 def check(args: argparse.Namespace) -> None:
