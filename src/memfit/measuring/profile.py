@@ -153,9 +153,6 @@ class Profiler:
         """Makes the lever whole steps may be timed with where no configuration without it
         fits (None: none may be; See Note [timing with a lever])."""
         self.timed_with: TimingLever | None = None  # the lever whole steps were timed with
-        self.threads: int | None = None
-        """CPU threads every run is timed on, read when timing starts
-        (See Note [timing on the free cores] in memfit/measuring/speed.py)."""
 
     def phase(self, what: str, total: int | None = None) -> AbstractContextManager[progress.Phase]:
         """A progress phase named for this precision."""
@@ -429,20 +426,8 @@ class Profiler:
     def _described(self) -> str:
         return timing.describe_timing(*self.timing, self.timed_with.described if self.timed_with else "")
 
-    def _threads(self) -> AbstractContextManager[None]:
-        """Torch's threads set to those every run of this profile is timed on (chosen once)."""
-        if self.threads is None:
-            self.threads, why = timing_threads(model_device(self.model))
-            if why:
-                self.measured.append(why)
-        return torch_threads(self.threads)
-
     def time(self, repeats: int) -> None:
         """Time ``repeats`` whole steps (plain where it fits), and micro-benchmark the device."""
-        with self._threads():
-            self._time(repeats)
-
-    def _time(self, repeats: int) -> None:
         started = time.perf_counter()
         cold = self.fake and not self.times  # no real step ran: the first one warms up, untimed
         self.times += self._timed_steps(repeats + cold)[0][cold:]
@@ -459,10 +444,6 @@ class Profiler:
         step's noise is as large as one recompute) and the step in micro-batches (splitting's)."""
         if not self.blocks:
             return
-        with self._threads():
-            self._time_checkpointed(steps, rounds)
-
-    def _time_checkpointed(self, steps: int, rounds: int) -> None:
         started = time.perf_counter()
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
@@ -572,8 +553,9 @@ def profile(
     prec = as_precision(precision, device=model_device(model))
     names = None if blocks is None else resolve_blocks(model, blocks)
     original, scaler_state = checkpointed_blocks(model), prec.scaler.state_dict()
+    threads, _ = timing_threads(model_device(model))  # See Note [timing on the free cores]
     try:
-        with preserved(model, optimizer):
+        with torch_threads(threads), preserved(model, optimizer):
             prof = Profiler(model, batch, loss_fn, optimizer, prec, names)
             for note in prof.notes():
                 warnings.warn(note, stacklevel=2)

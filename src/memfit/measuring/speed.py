@@ -149,13 +149,13 @@ def device_speed(device: torch.device, precision: Precision) -> Speed:
 # seconds at a time (the README's GPT with both cores spinning: 5-second medians of 89-172 ms
 # on 2 threads, one of 1,299 ms; on 1 thread 84-109 ms, as fast and steady). Timings read
 # through such stalls price nothing the plan changes and take as long as they stall. So a
-# profile times its steps on no more threads than there are free cores (one at least), read
-# once when its timing starts, and says so; the prices it fits are ratios between runs timed
-# alike, and the micro-benchmarks are taken at that thread count too. A plan reads the free
-# cores once, when it starts, and runs all its real steps on them: the timed ones, the one
+# plan (and memfit.profile) reads the free cores once, when it starts, and runs all its real
+# steps on no more threads than there are free cores (one at least): the timed ones, the one
 # that creates the optimizer's state, and the chosen plan's tracked step (MemTracker counts
 # the tensors ops return, never a kernel's own scratch, so the bytes do not depend on the
-# threads; the stalls hit that step as they hit the timed ones, 2.7 s against 0.4 s).
+# threads; the stalls hit that step as they hit the timed ones, 2.7 s against 0.4 s). The
+# plan's report says so; the prices it fits are ratios between runs timed alike, and the
+# micro-benchmarks are taken at that thread count too.
 
 
 def timing_threads(device: torch.device) -> tuple[int, str]:
