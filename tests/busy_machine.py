@@ -21,12 +21,17 @@ import memfit
 @contextmanager
 def busy_cores() -> Iterator[list[subprocess.Popen[bytes]]]:
     """A Python process spinning on each core while the body runs, ended after it (and
-    torch's thread count, which timing may change, put back)."""
+    torch's thread count, which timing may change, put back). The body starts once every
+    process has said it is spinning: one still starting up (reading its modules) may not be
+    runnable yet."""
     hogs: list[subprocess.Popen[bytes]] = []
     threads = torch.get_num_threads()
     try:
         for _ in range(os.cpu_count() or 1):
-            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            spin = "print('spinning', flush=True)\nwhile True: pass"
+            hogs.append(subprocess.Popen([sys.executable, "-c", spin], stdout=subprocess.PIPE))
+        for hog in hogs:
+            assert hog.stdout is not None and hog.stdout.readline() == b"spinning\n"
         yield hogs
     finally:
         for hog in hogs:
