@@ -10,7 +10,7 @@ STAMP := $(VENV)/.memfit-installed
 EXTRAS_VENV ?= .venv-extras
 EXTRAS_STAMP := $(EXTRAS_VENV)/.memfit-installed
 EXTRAS_TESTS := tests/integrations/test_hf.py tests/integrations/test_peft_estimate.py tests/integrations/test_loss_head_hf.py tests/integrations/test_vision.py tests/integrations/test_zoo.py \
-	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py \
+	tests/integrations/test_hf_trainer.py tests/integrations/test_lightning_accelerate.py tests/integrations/test_flops_stand_ins_zoo.py \
 	tests/integrations/test_readme_extras.py tests/integrations/test_hf_compile.py \
 	tests/integrations/test_plan_room_hf.py tests/integrations/test_hf_cache_flags.py \
 	tests/integrations/test_docs_shell_extras.py tests/integrations/test_estimate_fallbacks.py \

@@ -36,7 +36,6 @@ from torch import nn
 
 from memfit.checkpointing.compile import eager
 from memfit.devices import model_device
-from memfit.measuring.flops import Counts, counts, flop_counter
 from memfit.measuring.tracker import (
     OUTSIDE_AFTER,
     OUTSIDE_BEFORE,
@@ -108,9 +107,9 @@ class StepMemory:
     output_bytes: dict[str, int] = field(default_factory=dict)
     """Per block: bytes of its output still alive when the forward ends."""
     forward_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
-    """FlopCounterMode's counts when the forward ended (empty unless asked for)."""
+    """FlopCounterMode's counts when the forward ended (empty until the caller counts them)."""
     total_flops: dict[str, dict[Any, int]] = field(default_factory=dict)
-    """FlopCounterMode's counts when the step ended (empty unless asked for)."""
+    """FlopCounterMode's counts when the step ended (empty until the caller counts them)."""
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> dict[str, int]:
@@ -139,7 +138,6 @@ def phased_step(
     precision: Precision,
     blocks: list[str],
     step_optimizer: bool = True,
-    count_flops: bool = False,
 ) -> StepMemory:
     """Run one training step under MemTracker and return where it held memory.
 
@@ -151,13 +149,10 @@ def phased_step(
         blocks: qualified names of the blocks to report on, in forward order.
         step_optimizer: False skips the optimizer step (its state is still counted), for
             callers that already know the optimizer phase from an identical step.
-        count_flops: also count FLOPs with FlopCounterMode, in a step of their own before
-            the tracked one.
 
     Returns:
         A :class:`StepMemory`.
     """
-    flops = _count_flops(model, batch, loss_fn, precision) if count_flops else {}
     tracker = PhaseTracker(
         model_device(model),
         {id(model.get_submodule(b)): b for b in blocks},
@@ -168,27 +163,7 @@ def phased_step(
         optimizer.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     marks = _tracked_step(tracker, model, batch, loss_fn, optimizer if step_optimizer else None, precision)
-    return _step_memory(tracker, model, blocks, marks, flops)
-
-
-def _count_flops(model: nn.Module, batch: Batch, loss_fn: LossFn, precision: Precision) -> dict[str, Counts]:
-    """FlopCounterMode's counts at the forward's end and the step's, from an untracked step."""
-    # FlopCounterMode does not only observe: it decomposes the ops it has no formula for
-    # (MoE routing, some activations), which changes what the step allocates (+15% on a
-    # small Mixtral). So the FLOPs come from a step of their own, not the tracked one.
-    flops: dict[str, Counts] = {}
-    counter = flop_counter()
-    with counter:
-        training_step(
-            model,
-            batch,
-            loss_fn,
-            None,
-            precision,
-            after_forward=lambda: flops.update(forward=counts(counter)),
-        )
-    flops["total"] = counts(counter)
-    return flops
+    return _step_memory(tracker, model, blocks, marks)
 
 
 @dataclass(frozen=True)
@@ -242,7 +217,6 @@ def _step_memory(
     model: nn.Module,
     blocks: list[str],
     marks: _Marks,
-    flops: dict[str, Counts],
 ) -> StepMemory:
     """What the tracker read during the step, as a :class:`StepMemory`."""
     block_mem = [block_memory(tracker, b, model.get_submodule(b)) for b in blocks]
@@ -265,8 +239,6 @@ def _step_memory(
         ops=dict(tracker.ops),
         allocated=dict(tracker.allocated),
         output_bytes=dict(tracker.output_bytes),
-        forward_flops=flops.get("forward", {}),
-        total_flops=flops.get("total", {}),
         early_grads=block_mem[-1].backward_grads if block_mem else 0,
         saved=saved,
         outside_before_kept=marks.forward_end

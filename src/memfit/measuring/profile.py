@@ -39,7 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from functools import cached_property, partial
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -61,7 +61,7 @@ from memfit.measuring import block_timing as timing
 from memfit.measuring.batchcheck import batch_errors, fake_logs_held, tensor_bytes
 from memfit.measuring.block_timing import BlockInputs, block_times, capture_block_inputs
 from memfit.measuring.depth import both, every_layer_runs, layer_drops
-from memfit.measuring.flops import BlockFlops, block_flops
+from memfit.measuring.flops import BlockFlops, block_flops, count_flops
 from memfit.measuring.inplace import inplace_notes, watch_copies
 from memfit.measuring.order import between_blocks, put_in_run_order, run_order
 from memfit.measuring.phases import (
@@ -176,19 +176,19 @@ class Profiler:
             model.train()
             # See Note [fake tensors first, real tensors where they fail]
             checked = batch_errors(model, batch) if not on_twin else nullcontext()
-            # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
-            count = on_twin or self.estimate is None
             with checked, chain_probe(model, self.blocks) as probe, run_order(model, self.blocks) as seen:
-                mem = phased_step(
-                    model, batch, self.loss_fn, optimizer, precision, self.blocks, count_flops=count
-                )
+                mem = phased_step(model, batch, self.loss_fn, optimizer, precision, self.blocks)
             # See Note [blocks in the order they ran]
             self.blocks, self.links, keeps = put_in_run_order(
                 self.blocks, seen, mem, [] if random_depth else probe.links, probe.keeps_shape
             )
             # only blocks proven residual (output shaped like the input) stand in for each other
             self.stand_in = stand_ins(model, self.blocks, keeps) if self.blocks else {}
-        if not count and self.estimate is not None:
+            # FLOPs depend on shapes only: a real step after the twin's takes the twin's counts
+            if on_twin or self.estimate is None:
+                found = count_flops(model, batch, self.loss_fn, precision, self.stand_in)
+                mem.forward_flops, mem.total_flops = found["forward"], found["total"]
+        if not (on_twin or self.estimate is None):
             mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
         return mem
 
@@ -381,6 +381,11 @@ class Profiler:
 
     def _timed(self, mode: CheckpointMode, micro_batches: int = 1) -> tuple[float, float, float]:
         """(forward, backward, whole) seconds of one step with every block in ``mode``."""
+        with configured(self.model, self.blocks, mode, self.timed_with):
+            return self._timed_as_set(micro_batches)
+
+    def _timed_as_set(self, micro_batches: int) -> tuple[float, float, float]:
+        """:meth:`_timed` with the blocks' modes and the lever as they are set."""
         device = model_device(self.model)
         marks: dict[str, float] = {}
 
@@ -388,12 +393,11 @@ class Profiler:
             synchronize(device)
             marks[name] = time.perf_counter()
 
-        with configured(self.model, self.blocks, mode, self.timed_with):
-            mark("start")
-            m, b, lf, opt, prec = self.model, self.batch, self.loss_fn, self.optimizer, self.precision
-            fwd, bwd = (lambda: mark("forward")), (lambda: mark("backward"))
-            training_step(m, b, lf, opt, prec, micro_batches, after_forward=fwd, after_backward=bwd)
-            mark("end")
+        mark("start")
+        m, b, lf, opt, prec = self.model, self.batch, self.loss_fn, self.optimizer, self.precision
+        fwd, bwd = (lambda: mark("forward")), (lambda: mark("backward"))
+        training_step(m, b, lf, opt, prec, micro_batches, after_forward=fwd, after_backward=bwd)
+        mark("end")
         forward = (marks["forward"] - marks["start"]) * micro_batches  # the first part's, times the parts
         return forward, marks["backward"] - marks["start"] - forward, marks["end"] - marks["start"]
 
@@ -439,36 +443,54 @@ class Profiler:
         )
 
     def time_checkpointed(self, steps: int, rounds: int = BLOCK_ROUNDS) -> None:
-        """Time ``steps`` more whole steps (as :meth:`time` does), the heaviest distinct block alone
-        ``rounds`` times per measured mode side by side (a recompute's and selective's prices: a
-        step's noise is as large as one recompute) and the step in micro-batches (splitting's)."""
+        """Time ``steps`` more whole steps at least (as :meth:`time` does), the step in micro-batches
+        (splitting's price; its rounds' whole runs are those steps) and the heaviest distinct block
+        alone ``rounds`` times per mode side by side (a recompute's and selective's prices)."""
         if not self.blocks:
             return
-        started = time.perf_counter()
+        started, before = time.perf_counter(), len(self.times)
         distinct = [b for b in self.blocks if b not in self.stand_in] or self.blocks
         heaviest = max(distinct, key=lambda b: self.flops.get(b, BlockFlops()).forward)
-        times, seen = self._timed_steps(max(1, steps), heaviest)
-        self.times += times  # See Note [timing a block alone within a few steps]
+        first, seen = self._timed_steps(1, heaviest)
+        self.times += first  # See Note [timing a block alone within a few steps]
         within = timing.BLOCK_STEPS * statistics.median(t[2] for t in self.times)
+        split = self._time_split(first[0], rounds, within)
+        if len(self.times) - before < steps:  # too few rounds (or none) were timed
+            self.times += self._timed_steps(steps - len(self.times) + before)[0]
+        what = f"{len(self.times) - before} timed step(s) at {self.precision.mode}{self._described()}{split}"
         modes = [m for m in CHECKPOINT_MODES if m == "none" or m in self.memory]
         alone = (self.model, heaviest, seen, modes, rounds, self.precision.autocast, within)
         found, why = block_times(*alone) if len(modes) > 1 else ({}, "")
-        what = f"{max(1, steps)} timed step(s) at {self.precision.mode}{self._described()}"
         if why:
             what += f"; {heaviest} could not run alone ({why}): the micro-benchmark's prices stand"
         elif found:
             self.timed_block, self.block_times = heaviest, found
-            what += f" and {heaviest} alone {len(found['none'])} times in each of {', '.join(modes)}"
+            what += f"; {heaviest} alone {len(found['none'])} times in each of {', '.join(modes)}"
+        self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
+
+    def _time_split(self, first: tuple[float, float, float], rounds: int, within: float) -> str:
+        """Time the step whole and in micro-batches into ``split_times``, each round's whole run a
+        timed step kept in ``times`` (the first round's is ``first``, just run); what was timed.
+        See Note [a split round's whole run is a timed step]."""
         mode, parts = self.timing  # the step split: its counts are of the timed micro-batch's rows
         counts = split_counts(-(-batch_size(self.batch) // parts))
+        ran = iter([first])
+
+        def timed(k: int) -> float:
+            if k > 1:
+                return split_seconds(self.model, self.batch, self.loss_fn, self.precision, parts * k)
+            step = next(ran, None) or self._timed_as_set(parts)
+            self.times += [] if step is first else [step]
+            return step[0] + step[1]
+
         with configured(self.model, self.blocks, mode, self.timed_with), every_layer_runs(self.model):
-            fb = partial(split_seconds, self.model, self.batch, self.loss_fn, self.precision)
-            self.split_times, why = time_split_steps(lambda k: fb(parts * k), counts, rounds, within)
-        if self.split_times:
-            ran = len(self.split_times["none"])
-            what += f", the step in {' and '.join(map(str, counts))} micro-batches {ran} times"
-        what += f"; the step could not be split ({why}): micro-batches priced by their ops" if why else ""
-        self.measured.append(f"{what} ({time.perf_counter() - started:.2f} s)")
+            self.split_times, why = time_split_steps(timed, counts, rounds, within)
+        if why:
+            return f"; the step could not be split ({why}): micro-batches priced by their ops"
+        if not self.split_times:
+            return ""
+        n = len(self.split_times["none"])
+        return f", the step in {' and '.join(map(str, counts))} micro-batches {n} times alongside"
 
     def _memory_profile(self) -> Profile:
         model = self.twin.model if self.fake and self.twin is not None else self.model

@@ -10,8 +10,9 @@ side by side with the whole run of their round: every part of the step is in the
 
 Trade-off: planning time. A count of k micro-batches is timed on a quarter of the batch's
 rows (k / 4 of them, gradients accumulating, as a split step runs them; half or one where
-k is not a multiple of 4) and scaled to the whole, so a round costs about two steps; timing
-stops after ``within`` seconds once :data:`MIN_ROUNDS` rounds ran. The ratio is the step's
+k is not a multiple of 4) and scaled to the whole, so a round costs about two steps, one of
+them a timed step the profile needs anyway (See Note [a split round's whole run is a timed step]);
+timing stops after ``within`` seconds once :data:`MIN_ROUNDS` rounds ran. The ratio is the step's
 as a whole, so a checkpointed block's recompute is priced at the step's ratio, not its own.
 
 Example:
@@ -42,6 +43,14 @@ from memfit.measuring.timing_lever import TimingLever
 from memfit.precision import Precision
 from memfit.step import Batch, LossFn, split_batch, training_step
 from memfit.vocab import CheckpointMode
+
+# Note [a split round's whole run is a timed step]
+# A profile times a few whole steps (the step's own seconds, the median the time model is
+# scaled to) and, separately, the step whole and split round by round. The two were the
+# same forward and backward run twice: on a busy machine those runs were a tenth of the
+# planning time of the README's GPT. So a round's whole run is one of the timed steps
+# (its optimizer step included; the split counts weigh against its forward and backward),
+# and the first round's is the step that captured the timed block's inputs just before.
 
 #: The most micro-batches a step is timed in (a batch of more rows, in the fewest rows of a
 #: micro-batch that keep it at most this many).
