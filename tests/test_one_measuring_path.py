@@ -97,3 +97,39 @@ def test_a_plan_with_room_to_spare_tracks_only_its_check() -> None:
     )
     assert p.report.measured_peak_bytes == p.predicted_peak_bytes <= p.budget_bytes
     assert not any("does not fit" in n for n in p.notes), p.notes
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, amsgrad=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+        lambda ps: torch.optim.Adam(ps, foreach=False),
+    ],
+    ids=["adamw-amsgrad", "sgd-momentum", "adam-for-loop"],
+)
+def test_twin_takes_the_real_optimizer_state_and_measures_the_bytes_a_state_made_on_it_holds(
+    make_opt: Callable[[Any], torch.optim.Optimizer],
+) -> None:
+    """See Note [the twin's optimizer state]: fake copies of the real state (no fake step to
+    create it) give the plain step the same peak, to the byte, as a state the twin creates."""
+    from memfit.measuring.phases import phased_step
+    from memfit.measuring.preserve import create_optimizer_state
+    from memfit.measuring.twin import make_twin
+
+    model = tiny_gpt(n_layer=3)
+    batch = token_batch(4, 16)
+    opt = make_opt(model.parameters())
+    peaks = []
+    for with_state in (False, True):
+        with preserved(model, opt):
+            if with_state:
+                create_optimizer_state(model, opt)
+            twin = make_twin(model, opt, batch)
+            assert twin.optimizer is not None and bool(twin.optimizer.state) == with_state
+            with twin.running():
+                create_optimizer_state(twin.model, twin.optimizer)  # a no-op where copied
+                step = phased_step(twin.model, twin.batch, gpt_loss, twin.optimizer, Precision("fp32"), [])
+            peaks.append(step.peak)
+    assert peaks[0] == peaks[1]
+    assert not opt.state  # preserved put the real optimizer back
