@@ -212,7 +212,8 @@ class Profiler:
             seconds = time.perf_counter() - started
             self.measured.append(
                 f"1 step at {self.precision.mode} without checkpointing under fake tensors, all "
-                f"{len(self.blocks)} blocks, FLOPs counted, nothing allocated ({seconds:.2f} s)"
+                f"{len(self.blocks)} blocks, and its FLOPs counted in one of "
+                f"{len(self.blocks) - len(self.stand_in)}, nothing allocated ({seconds:.2f} s)"
             )
         return self.estimate.peak if self.estimate is not None else None
 
