@@ -126,7 +126,7 @@ def _copy_state(
 # Note [the twin's optimizer state]
 # A step's bytes count the optimizer's state, so the twin's optimizer needs one. Created by
 # a step on zero gradients under fake tensors, it cost 0.08-0.2 s of the README GPT's
-# planning quiet (AdamW's ops on 50 fake parameters), twice that busy. Where the real
+# planning quiet (AdamW's ops on its fake parameters), 5-12% of it. Where the real
 # optimizer has its state (the planner creates it first), the twin takes fake copies of it:
 # the same shapes, dtypes and devices, so the same bytes.
 #
