@@ -188,8 +188,8 @@ class Profiler:
             if on_twin or self.estimate is None:
                 found = count_flops(model, batch, self.loss_fn, precision, self.stand_in)
                 mem.forward_flops, mem.total_flops = found["forward"], found["total"]
-        if not (on_twin or self.estimate is None):
-            mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
+            else:
+                mem.forward_flops, mem.total_flops = self.estimate.forward_flops, self.estimate.total_flops
         return mem
 
     def estimated_peak(self) -> int | None:
@@ -480,8 +480,10 @@ class Profiler:
         def timed(k: int) -> float:
             if k > 1:
                 return split_seconds(self.model, self.batch, self.loss_fn, self.precision, parts * k)
-            step = next(ran, None) or self._timed_as_set(parts)
-            self.times += [] if step is first else [step]
+            step = next(ran, None)
+            if step is None:  # a later round: its whole run is a new timed step
+                step = self._timed_as_set(parts)
+                self.times.append(step)
             return step[0] + step[1]
 
         with configured(self.model, self.blocks, mode, self.timed_with), every_layer_runs(self.model):
