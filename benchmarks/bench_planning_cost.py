@@ -34,6 +34,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -46,51 +47,51 @@ from memfit.measuring.speed import timing_threads, torch_threads
 GOAL_STEPS, GOAL_SECONDS, REFUSAL_STEPS = 30.0, 3.0, 20.0
 
 
-def _step_seconds(case: Case, steps: int) -> float:
+def _median(step: Callable[[], object], steps: int) -> float:
+    """The median seconds of ``steps`` calls of ``step`` after one more (a warm-up)."""
     times = []
     for k in range(steps + 1):
         started = time.perf_counter()
-        case.optimizer.zero_grad(set_to_none=True)
-        case.loss_fn(case.model, case.batch).backward()
-        case.optimizer.step()
+        step()
         if k:  # the first is a warm-up
             times.append(time.perf_counter() - started)
-    case.optimizer.zero_grad(set_to_none=True)
     return statistics.median(times)
 
 
-def _plain_steps(case: Case, steps: int) -> tuple[float, float]:
-    """The plain step's median on torch's own threads, and on the threads planning times on
-    (fewer where other processes keep cores busy: Note [timing on the free cores])."""
+def _on_both_threads(step: Callable[[], object], steps: int) -> tuple[float, float]:
+    """:func:`_median` on torch's own threads, and on the threads planning times on (fewer
+    where other processes keep cores busy: Note [timing on the free cores])."""
     threads, _ = timing_threads(torch.device("cpu"))
-    own = _step_seconds(case, steps)
+    own = _median(step, steps)
     if threads == torch.get_num_threads():
         return own, own
     with torch_threads(threads):
-        return own, _step_seconds(case, steps)
+        return own, _median(step, steps)
+
+
+def _plain_steps(case: Case, steps: int) -> tuple[float, float]:
+    """The plain fp32 step, on torch's threads and on the planning threads."""
+
+    def plain() -> None:
+        case.optimizer.zero_grad(set_to_none=True)
+        case.loss_fn(case.model, case.batch).backward()
+        case.optimizer.step()
+
+    both = _on_both_threads(plain, steps)
+    case.optimizer.zero_grad(set_to_none=True)
+    return both
 
 
 def _plan_steps(case: Case, plan: memfit.Plan, steps: int) -> float:
-    """The chosen plan's step (``memfit.train_step`` on a prepared copy): its median after a
-    warm-up, the faster of torch's threads and the planning threads (as :func:`_plain_steps`)."""
+    """The chosen plan's step (``memfit.train_step`` on a prepared copy of the model), the
+    faster of torch's threads and the planning threads."""
     model, optimizer = copy.deepcopy((case.model, case.optimizer))
     model, optimizer = memfit.prepare(model, optimizer, plan)
 
-    def median() -> float:
-        times = []
-        for k in range(steps + 1):
-            started = time.perf_counter()
-            memfit.train_step(model, case.batch, case.loss_fn, optimizer, plan)
-            if k:  # the first is a warm-up
-                times.append(time.perf_counter() - started)
-        return statistics.median(times)
+    def planned() -> None:
+        memfit.train_step(model, case.batch, case.loss_fn, optimizer, plan)
 
-    threads, _ = timing_threads(torch.device("cpu"))
-    own = median()
-    if threads == torch.get_num_threads():
-        return own
-    with torch_threads(threads):
-        return min(own, median())
+    return min(_on_both_threads(planned, steps))
 
 
 def _busy(on: bool) -> contextlib.AbstractContextManager[object]:
